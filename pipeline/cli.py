@@ -1,0 +1,143 @@
+"""The `imgpipe` command: parses, dispatches, and is the one place errors are printed.
+
+Exit codes: 0 ok, 1 failed, 2 usage or configuration error, 130 interrupted.
+An ImgpipeError prints ``error: … (hint: …)`` and no traceback; anything else
+is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+from imgpipe.pipeline.config import Settings, load_settings
+from imgpipe.pipeline.errors import ImgpipeError
+from imgpipe.pipeline.output import Invocation, Result, emit, emit_error
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+def invocation(ctx: click.Context) -> Invocation:
+    return ctx.ensure_object(Invocation)
+
+
+def settings_of(ctx: click.Context) -> Settings:
+    """Settings for this run, loaded on first use (so --help works with a broken config)."""
+    inv = invocation(ctx)
+    cached = ctx.meta.get("imgpipe.settings")
+    if cached is None:
+        cached = load_settings(inv.config)
+        ctx.meta["imgpipe.settings"] = cached
+    return cached
+
+
+def reporting(fn: Callable[..., Result]) -> Callable[..., int]:
+    """Give a command --json and render the Result it returns; exit 1 when not ok."""
+
+    @click.option("--json", "as_json", is_flag=True,
+                  help="Print one JSON envelope (version, status, data, errors) on stdout.")
+    @click.pass_context
+    @functools.wraps(fn)
+    def wrapper(ctx: click.Context, as_json: bool, **kwargs: Any) -> int:
+        inv = invocation(ctx)
+        inv.json = inv.json or as_json
+        inv.command = ctx.command_path.partition(" ")[2]
+        result = fn(ctx, **kwargs)
+        emit(inv, result)
+        return 0 if result.ok else 1
+
+    return wrapper
+
+
+@click.group(context_settings=CONTEXT)
+@click.option("--config", "config_path", metavar="FILE", envvar="IMGPIPE_CONFIG",
+              help="imgpipe.yaml to use (default: the nearest one above the current "
+              "directory, else built-in defaults: registry 127.0.0.1:5000, outputs in ./build).")
+@click.option("-v", "--verbose", is_flag=True, help="Log every external command and request.")
+@click.version_option(package_name="imgpipe", prog_name="imgpipe")
+@click.pass_context
+def cli(ctx: click.Context, config_path: str | None, verbose: bool) -> None:
+    """Build GPU-cluster images, push them to the head-node registry, and run them with Slurm.
+
+    \b
+    First steps on one machine (no imgpipe.yaml needed):
+      imgpipe doctor                  what this machine has and lacks
+      imgpipe registry up             start the registry on 127.0.0.1:5000
+      imgpipe registry status         is it up, what does it hold
+
+    Every command takes --help; commands that report take --json.
+    """
+    inv = invocation(ctx)
+    inv.config = config_path
+    inv.verbose = verbose
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    if not verbose:  # retries are reported by the error that ends them, not line by line
+        logging.getLogger("urllib3").setLevel(logging.ERROR)
+
+
+@cli.command(context_settings=CONTEXT)
+@reporting
+def doctor(ctx: click.Context) -> Result:
+    """Check the engine, BuildKit, registry, squashfs tools, Slurm, Enroot, Pyxis and disk.
+
+    Each missing piece comes with the way to get it.  Exits 1 when something
+    required is missing; Slurm, Enroot and Pyxis are only needed on the cluster.
+
+    \b
+    Example:
+      imgpipe doctor --json | jq '.data.checks[] | select(.verdict != "ok")'
+    """
+    from imgpipe.pipeline.doctor import run_checks
+
+    checks = run_checks(settings_of(ctx))
+    marks = {"ok": "ok  ", "warn": "warn", "missing": "MISS"}
+    lines = []
+    for check in checks:
+        lines.append(f"{marks[check.verdict]}  {check.name:<18} {check.detail}")
+        if check.fix and check.verdict != "ok":
+            lines.append(f"      {'':<18} fix: {check.fix}")
+    failed = [c for c in checks if c.verdict == "missing" and c.required]
+    return Result({"checks": checks}, lines, ok=not failed)
+
+
+def _register_subcommands() -> None:
+    from imgpipe.pipeline.cli_registry import registry
+
+    cli.add_command(registry)
+
+
+_register_subcommands()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI and return its exit code (tests call this in-process)."""
+    inv = Invocation()
+    try:
+        rv = cli.main(args=argv, prog_name="imgpipe", standalone_mode=False, obj=inv)
+    except click.exceptions.Exit as exc:
+        return exc.exit_code
+    except click.ClickException as exc:  # usage errors: exit 2 with click's message
+        exc.show()
+        return exc.exit_code
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        print("interrupted", file=sys.stderr)
+        return 130
+    except ImgpipeError as exc:
+        if not inv.command:
+            inv.command = " ".join(a for a in (argv if argv is not None else sys.argv[1:])
+                                   if not a.startswith("-"))[:60]
+        emit_error(inv, exc.code, exc.message, exc.hint)
+        if inv.verbose:
+            logging.getLogger("imgpipe").debug("error detail", exc_info=exc)
+        return exc.exit_code
+    return rv if isinstance(rv, int) else 0
+
+
+def run() -> None:
+    """Console-script entry point."""
+    sys.exit(main())

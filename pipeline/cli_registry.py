@@ -1,0 +1,175 @@
+"""`imgpipe registry …`: the head node's registry and what it holds."""
+
+from __future__ import annotations
+
+import click
+from imgpipe.pipeline.cli import CONTEXT, reporting, settings_of
+from imgpipe.pipeline.errors import ImgpipeError
+from imgpipe.pipeline.output import Result, human_bytes
+from imgpipe.pipeline.wiring import local_registry, registry_client
+from imgpipe.registry.inventory import remove_tag, tag_digests
+from imgpipe.registry.local import dir_bytes
+from imgpipe.registry.reference import Reference
+
+
+@click.group(context_settings=CONTEXT)
+def registry() -> None:
+    """Run the head node's registry and look after what it holds.
+
+    \b
+    Examples:
+      imgpipe registry up                     start it (idempotent)
+      imgpipe registry status                 address, mode, storage, repositories
+      imgpipe registry tags local/bert        tags with their digests
+      imgpipe registry rm local/bert:old      delete that manifest
+      imgpipe registry gc                     reclaim the bytes nothing uses any more
+    """
+
+
+@registry.command(context_settings=CONTEXT)
+@click.option("--mode", type=click.Choice(["auto", "container", "binary"]), default=None,
+              help="Override registry.server.mode: a registry:2 container, or Debian's "
+              "docker-registry binary as a background process.")
+@reporting
+def up(ctx: click.Context, mode: str | None) -> Result:
+    """Start the registry (a no-op when it already runs).
+
+    Listens on registry.server.bind and registry.port (default 127.0.0.1:5000),
+    stores blobs in registry.server.data_dir, and allows deletion so that
+    `imgpipe registry rm` and `gc` work.
+    """
+    settings = settings_of(ctx)
+    if mode:
+        server = settings.registry.server.model_copy(update={"mode": mode})
+        settings = settings.model_copy(
+            update={"registry": settings.registry.model_copy(update={"server": server})})
+    local = local_registry(settings)
+    state, started = local.up()
+    verb = "started" if started else "already running"
+    lines = [f"registry {verb}: {settings.registry.url} ({state.mode})",
+             f"data: {local.data_dir}"]
+    return Result({"started": started, "mode": state.mode, "url": settings.registry.url,
+                   "data_dir": local.data_dir, "pid": state.pid, "container": state.container},
+                  lines)
+
+
+@registry.command(context_settings=CONTEXT)
+@reporting
+def down(ctx: click.Context) -> Result:
+    """Stop the registry started by `up` (a no-op when nothing runs); data is kept."""
+    stopped = local_registry(settings_of(ctx)).down()
+    if stopped.mode in ("container", "binary"):
+        return Result({"stopped": True, "mode": stopped.mode},
+                      [f"registry stopped ({stopped.mode})"])
+    if stopped.mode == "external":
+        return Result({"stopped": False, "mode": "external"},
+                      [f"{stopped.address} is served by a program imgpipe did not start; "
+                       "left running"])
+    return Result({"stopped": False, "mode": "down"}, ["registry was not running"])
+
+
+@registry.command(context_settings=CONTEXT)
+@reporting
+def status(ctx: click.Context) -> Result:
+    """Is the registry reachable; which mode; storage used; repositories and tags.
+
+    Exits 1 when the registry does not answer.
+    """
+    settings = settings_of(ctx)
+    local = local_registry(settings)
+    state = local.state()
+    data = {"url": settings.registry.url, "mode": state.mode, "reachable": False,
+            "storage_bytes": dir_bytes(local.data_dir) if state.mode != "external" else None,
+            "data_dir": local.data_dir if state.mode != "external" else None,
+            "repositories": None, "tags": None}
+    lines = [f"registry: {settings.registry.url}", f"mode:     {state.mode}"]
+    try:
+        client = registry_client(settings)
+        client.ping()
+        repositories = client.catalog()
+        tags = sum(len(client.tags(repo)) for repo in repositories)
+    except ImgpipeError as exc:
+        data["error"] = exc.message
+        lines.append(f"reachable: no ({exc.message})")
+        return Result(data, lines, ok=False)
+    data.update(reachable=True, repositories=len(repositories), tags=tags)
+    lines.append("reachable: yes")
+    if data["storage_bytes"] is not None:
+        lines.append(f"storage:  {human_bytes(data['storage_bytes'])} in {local.data_dir}")
+    lines.append(f"content:  {len(repositories)} repositories, {tags} tags")
+    return Result(data, lines)
+
+
+@registry.command(name="ls", context_settings=CONTEXT)
+@reporting
+def list_repositories(ctx: click.Context) -> Result:
+    """List every repository with its tags (pages through the whole catalog)."""
+    client = registry_client(settings_of(ctx))
+    repositories = [{"name": repo, "tags": sorted(client.tags(repo))}
+                    for repo in client.catalog()]
+    lines = [f"{r['name']}  {', '.join(r['tags']) or '(no tags)'}" for r in repositories]
+    if not repositories:
+        lines = ["(the registry holds no repositories)"]
+    return Result({"registry": client.address, "repositories": repositories}, lines)
+
+
+@registry.command(context_settings=CONTEXT)
+@click.argument("repository")
+@reporting
+def tags(ctx: click.Context, repository: str) -> Result:
+    """List REPOSITORY's tags and the manifest digest each points to.
+
+    \b
+    Example:
+      imgpipe registry tags local/bert --json
+    """
+    settings = settings_of(ctx)
+    ref = Reference.parse(repository if "/" in repository or ":" not in repository
+                          else repository, default_registry=settings.registry.address)
+    client = registry_client(settings)
+    infos = tag_digests(client, ref.repository)
+    lines = [f"{info.tag:<24} {info.digest}" for info in infos] or ["(no tags)"]
+    return Result({"repository": ref.repository, "tags": infos}, lines)
+
+
+@registry.command(context_settings=CONTEXT)
+@click.argument("image", metavar="REPO:TAG")
+@reporting
+def rm(ctx: click.Context, image: str) -> Result:
+    """Delete the manifest REPO:TAG points to, naming every other tag that pointed to it.
+
+    The bytes stay on disk until `imgpipe registry gc`.
+
+    \b
+    Example:
+      imgpipe registry rm local/bert:0.1.0 && imgpipe registry gc
+    """
+    settings = settings_of(ctx)
+    ref = Reference.parse(image, default_registry=settings.registry.address)
+    if ref.digest:
+        raise ImgpipeError("rm takes REPO:TAG", hint="name the tag, not a digest")
+    removal = remove_tag(registry_client(settings), ref.repository, ref.tag or "latest")
+    others = [t for t in removal.tags if t != ref.tag]
+    lines = [f"deleted {ref.repository}@{removal.digest}"]
+    if others:
+        lines.append(f"also removed tags pointing to it: {', '.join(others)}")
+    lines.append("run `imgpipe registry gc` to free its bytes")
+    return Result({"repository": ref.repository, "digest": removal.digest,
+                   "tags": removal.tags}, lines)
+
+
+@registry.command(context_settings=CONTEXT)
+@click.option("--delete-untagged", is_flag=True,
+              help="Also delete manifests no tag points to.  Known to destroy the children "
+              "of multi-platform indexes: use only when you know there are none.")
+@reporting
+def gc(ctx: click.Context, delete_untagged: bool) -> Result:
+    """Free the blobs no manifest uses (stops the registry for the collection).
+
+    The registry is stopped while the collector runs and started again after,
+    as the registry requires.
+    """
+    before, after = local_registry(settings_of(ctx)).garbage_collect(delete_untagged)
+    freed = max(before - after, 0)
+    return Result({"bytes_before": before, "bytes_after": after, "bytes_freed": freed},
+                  [f"freed {human_bytes(freed)} ({human_bytes(before)} -> {human_bytes(after)})"])

@@ -1,0 +1,171 @@
+"""imgpipe.yaml: found by walking up from the working directory, validated once.
+
+With no file at all imgpipe works on one machine: a registry on
+127.0.0.1:5000 and every output under ``./build``.  Relative paths in the file
+are relative to the file's folder.  Errors name the file, the key and what is
+wrong, e.g. ``imgpipe.yaml: registry.port: must be an integer``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from imgpipe.pipeline.errors import ConfigError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+CONFIG_NAME = "imgpipe.yaml"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CredentialsConfig(_Strict):
+    """Where registry credentials come from; the file holds them, never imgpipe.yaml."""
+
+    source: Literal["none", "docker-config", "netrc"] = "none"
+    file: Path | None = Field(
+        default=None,
+        description="docker config.json or netrc path; default ~/.docker/config.json or ~/.netrc",
+    )
+
+
+class ServerConfig(_Strict):
+    """How `imgpipe registry up` runs the head node's registry."""
+
+    mode: Literal["auto", "container", "binary"] = "auto"
+    image: str = "registry:2"
+    container_name: str = "imgpipe-registry"
+    bind: str = "127.0.0.1"
+    data_dir: Path = Path("build/registry/data")
+    state_dir: Path = Path("build/registry")
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    htpasswd: Path | None = None
+
+
+class RegistryConfig(_Strict):
+    """The registry imgpipe pushes to and reads from."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=5000, ge=1, le=65535)
+    scheme: Literal["http", "https"] = "http"
+    ca_file: Path | None = None
+    credentials: CredentialsConfig = CredentialsConfig()
+    server: ServerConfig = ServerConfig()
+
+    @field_validator("host")
+    @classmethod
+    def _plain_host(cls, value: str) -> str:
+        if not value or any(c in value for c in "/:@# \t\n"):
+            raise ValueError("must be a host name or IP address without scheme, port or path")
+        return value
+
+    @property
+    def address(self) -> str:
+        """``host:port`` as it appears in image references."""
+        return f"{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://{self.address}"
+
+
+class OutputsConfig(_Strict):
+    squashfs_dir: Path = Path("build/squashfs")
+    recipes_dir: Path = Path("build/recipes")
+    state_dir: Path = Path("build/state")
+
+
+class DockerConfig(_Strict):
+    """Which docker client drives builds: ``auto`` picks one that has BuildKit."""
+
+    client: str = "auto"
+    host: str | None = Field(default=None, description="DOCKER_HOST for the engine, if not default")
+
+
+class Settings(_Strict):
+    """Everything imgpipe.yaml can say; passed explicitly, never a global."""
+
+    registry: RegistryConfig = RegistryConfig()
+    outputs: OutputsConfig = OutputsConfig()
+    images_dir: Path = Path("images")
+    docker: DockerConfig = DockerConfig()
+    default_flavor: Literal["ngc", "cpu"] = "cpu"
+    # Folder relative paths resolve against; not a key in the file.
+    root: Path = Field(default=Path("."), exclude=True)
+    source: Path | None = Field(default=None, exclude=True)
+
+    def path(self, value: Path) -> Path:
+        """``value`` resolved against the config file's folder."""
+        return value if value.is_absolute() else (self.root / value)
+
+
+def find_config(start: Path) -> Path | None:
+    """The nearest imgpipe.yaml in ``start`` or a parent folder, or None."""
+    for folder in (start, *start.parents):
+        candidate = folder / CONFIG_NAME
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def load_settings(explicit: str | os.PathLike[str] | None = None, cwd: Path | None = None) -> Settings:
+    """Load and validate the config; the embedded default when there is none."""
+    cwd = (cwd or Path.cwd()).resolve()
+    if explicit is not None:
+        path = Path(explicit)
+        if not path.is_file():
+            raise ConfigError(f"{path}: no such config file", hint="check --config")
+    else:
+        path = find_config(cwd)
+        if path is None:
+            return Settings(root=cwd)
+    return parse_settings(path)
+
+
+def parse_settings(path: Path) -> Settings:
+    """Parse one config file, turning every problem into a ConfigError naming it."""
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise ConfigError(f"{path}: not valid YAML{where}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: must be a mapping of keys to values")
+    for reserved in ("root", "source"):
+        if reserved in raw:
+            raise ConfigError(f"{path}: {reserved}: unknown key")
+    try:
+        return Settings(**raw, root=path.parent.resolve(), source=path)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(path, exc)) from exc
+
+
+def format_validation_error(path: Path, exc: ValidationError) -> str:
+    """``file: a.b.c: message`` for the first error (one line, as the CLI prints)."""
+    first = exc.errors()[0]
+    key = ".".join(str(part) for part in first["loc"]) or "(top level)"
+    kind = first["type"]
+    if kind == "extra_forbidden":
+        message = "unknown key"
+    elif kind == "literal_error":
+        expected = first.get("ctx", {}).get("expected", "")
+        message = f"must be one of {expected.replace(' or ', ', ')}"
+    elif kind in ("int_parsing", "int_type"):
+        message = f"must be an integer, not {first.get('input')!r}"
+    elif kind in ("bool_parsing", "bool_type"):
+        message = "must be true or false"
+    elif kind in ("model_type", "dict_type"):
+        message = "must be a mapping"
+    else:
+        message = first["msg"].removeprefix("Value error, ")
+    more = len(exc.errors()) - 1
+    suffix = f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""
+    return f"{path}: {key}: {message}{suffix}"

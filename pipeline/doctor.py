@@ -1,0 +1,118 @@
+"""`imgpipe doctor`: what this machine has, and how to get what it lacks."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from imgpipe.pipeline.config import Settings
+from imgpipe.pipeline.engine import docker_clients, probe_client
+from imgpipe.pipeline.errors import ImgpipeError
+from imgpipe.pipeline.output import human_bytes
+from imgpipe.pipeline.process import which
+
+Verdict = Literal["ok", "warn", "missing"]
+MIN_FREE_BYTES = 20 * 1024**3
+PLUGSTACK_PLACES = (Path("/etc/slurm/plugstack.conf"), Path("/etc/slurm/plugstack.conf.d"),
+                    Path("/etc/slurm-llnl/plugstack.conf"))
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    verdict: Verdict
+    detail: str
+    fix: str | None = None
+    required: bool = True
+
+
+def check_docker(settings: Settings) -> list[Check]:
+    clients = docker_clients()
+    if not clients:
+        return [Check("docker engine", "missing", "no docker client on PATH",
+                      "apt-get install docker.io")]
+    env = {"DOCKER_HOST": settings.docker.host} if settings.docker.host else None
+    probed = [probe_client(path, env) for path in clients]
+    engine = next((c.engine_version for c in probed if c.engine_version), None)
+    checks = [
+        Check("docker engine", "ok", f"engine {engine}") if engine else
+        Check("docker engine", "missing", "no engine answers",
+              "dockerd --bridge=none --iptables=false & (./setup.sh starts it)")
+    ]
+    paths = [f"{c.path} {c.version}: {c.build_path or 'no BuildKit'}" for c in probed]
+    usable = [c for c in probed if c.usable]
+    if usable:
+        checks.append(Check("buildkit", "ok", "; ".join(paths)))
+    else:
+        checks.append(Check("buildkit", "missing", "; ".join(paths),
+                            "install docker-buildx, or Debian's docker.io (20.10 client)"))
+    return checks
+
+
+def check_registry(settings: Settings) -> Check:
+    from imgpipe.pipeline.wiring import registry_client
+
+    try:
+        registry_client(settings).ping()
+    except ImgpipeError as exc:
+        return Check("registry", "missing", f"{settings.registry.url}: {exc.message}",
+                     "imgpipe registry up")
+    return Check("registry", "ok", f"{settings.registry.url} answers /v2/")
+
+
+def check_tool(name: str, programs: list[str], fix: str, required: bool = True) -> Check:
+    found = [p for p in programs if which(p)]
+    missing = [p for p in programs if not which(p)]
+    if missing:
+        return Check(name, "missing" if required else "warn",
+                     f"not found: {', '.join(missing)}", fix, required)
+    return Check(name, "ok", ", ".join(which(p) or p for p in found), required=required)
+
+
+def check_pyxis() -> Check:
+    for place in PLUGSTACK_PLACES:
+        files = sorted(place.glob("*")) if place.is_dir() else [place]
+        for file in files:
+            try:
+                if "spank_pyxis" in file.read_text():
+                    return Check("pyxis", "ok", f"enabled in {file}", required=False)
+            except OSError:
+                continue
+    return Check("pyxis", "warn", "no spank_pyxis.so in plugstack.conf",
+                 "install Pyxis on the compute nodes (https://github.com/NVIDIA/pyxis); "
+                 "recipes can still run with --runtime host", required=False)
+
+
+def check_disk(settings: Settings) -> Check:
+    where = settings.path(settings.outputs.squashfs_dir)
+    probe = where
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < MIN_FREE_BYTES:
+        return Check("disk", "warn", f"{human_bytes(free)} free at {probe}",
+                     "images and squashfs files need tens of GiB: free space or move "
+                     "outputs.squashfs_dir", required=False)
+    return Check("disk", "ok", f"{human_bytes(free)} free at {probe}", required=False)
+
+
+def run_checks(settings: Settings) -> list[Check]:
+    checks = check_docker(settings)
+    checks.append(check_registry(settings))
+    checks.append(check_tool("squashfs tools", ["mksquashfs", "unsquashfs"],
+                             "apt-get install squashfs-tools"))
+    checks.append(check_tool("squashfs-tools-ng", ["tar2sqfs"],
+                             "apt-get install squashfs-tools-ng", required=False))
+    checks.append(check_tool("registry binary", ["docker-registry"],
+                             "apt-get install docker-registry", required=False))
+    checks.append(check_tool("slurm", ["sbatch", "srun", "sinfo"], "apt-get install slurm-wlm",
+                             required=False))
+    checks.append(check_tool("enroot", ["enroot"],
+                             "install Enroot on the compute nodes "
+                             "(https://github.com/NVIDIA/enroot); imgpipe converts without it",
+                             required=False))
+    checks.append(check_pyxis())
+    checks.append(check_disk(settings))
+    return checks

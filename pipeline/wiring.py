@@ -1,0 +1,32 @@
+"""Building subsystem objects from Settings: the one place they are wired together."""
+
+from __future__ import annotations
+
+from imgpipe.pipeline.config import Settings
+from imgpipe.registry.auth import (
+    Credentials,
+    credentials_from_docker_config,
+    credentials_from_netrc,
+)
+from imgpipe.registry.client import RegistryClient
+from imgpipe.registry.local import LocalRegistry
+
+
+def registry_credentials(settings: Settings) -> Credentials | None:
+    source = settings.registry.credentials
+    path = settings.path(source.file) if source.file else None
+    if source.source == "docker-config":
+        return credentials_from_docker_config(settings.registry.address, path)
+    if source.source == "netrc":
+        return credentials_from_netrc(settings.registry.address, path)
+    return None
+
+
+def registry_client(settings: Settings) -> RegistryClient:
+    registry = settings.registry
+    ca_file = settings.path(registry.ca_file) if registry.ca_file else None
+    return RegistryClient(registry.url, credentials=registry_credentials(settings), ca_file=ca_file)
+
+
+def local_registry(settings: Settings) -> LocalRegistry:
+    return LocalRegistry(settings)

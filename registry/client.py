@@ -1,0 +1,365 @@
+"""Registry HTTP API v2 client (https://distribution.github.io/distribution/spec/api/).
+
+Every request states the statuses it accepts; any other raises RegistryError
+with method, URL, status and the registry's error code.  Connection errors and
+5xx answers are retried with backoff (urllib3's Retry); nothing else is.
+Every request has a timeout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urljoin
+
+import requests
+from imgpipe.pipeline.files import atomic_path
+from imgpipe.registry.auth import Authenticator, Credentials
+from imgpipe.registry.errors import AuthError, DigestMismatchError, RegistryError
+from imgpipe.registry.reference import Reference
+from requests.adapters import HTTPAdapter
+from urllib3.util.retry import Retry
+
+log = logging.getLogger(__name__)
+
+DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
+DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+OCI_INDEX = "application/vnd.oci.image.index.v1+json"
+INDEX_TYPES = {DOCKER_LIST, OCI_INDEX}
+MANIFEST_ACCEPT = ", ".join([DOCKER_MANIFEST, DOCKER_LIST, OCI_MANIFEST, OCI_INDEX])
+
+CONNECT_TIMEOUT_S = 5.0
+READ_TIMEOUT_S = 60.0
+CHUNK = 1 << 20
+PAGE_SIZE = 100  # registry:2 rejects n above 1000 and answers 100 when n is absent
+
+
+@dataclass(frozen=True)
+class Platform:
+    os: str = "linux"
+    architecture: str = "amd64"
+    variant: str | None = None
+
+    @classmethod
+    def host(cls) -> Platform:
+        machine = os.uname().machine
+        arch = {"x86_64": "amd64", "aarch64": "arm64", "ppc64le": "ppc64le"}.get(machine, machine)
+        return cls("linux", arch, "v8" if arch == "arm64" else None)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """One image manifest as served: its digest depends on the media type served."""
+
+    digest: str
+    media_type: str
+    raw: bytes
+
+    @property
+    def body(self) -> dict[str, Any]:
+        return json.loads(self.raw)
+
+    @property
+    def config_digest(self) -> str:
+        return self.body["config"]["digest"]
+
+    @property
+    def layers(self) -> list[dict[str, Any]]:
+        return list(self.body.get("layers", []))
+
+    @property
+    def size(self) -> int:
+        """Bytes of config and layers (what the image takes in the registry)."""
+        body = self.body
+        return body.get("config", {}).get("size", 0) + sum(x.get("size", 0) for x in self.layers)
+
+
+def sha256_digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+class RegistryClient:
+    """A session with one registry: ``RegistryClient("http://127.0.0.1:5000")``."""
+
+    def __init__(
+        self,
+        base_url: str,
+        credentials: Credentials | None = None,
+        ca_file: str | os.PathLike[str] | None = None,
+        timeout: tuple[float, float] = (CONNECT_TIMEOUT_S, READ_TIMEOUT_S),
+        retries: int = 3,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.address = self.base_url.split("://", 1)[-1]
+        self.timeout = timeout
+        self.verify: bool | str = str(ca_file) if ca_file else True
+        self.session = requests.Session()
+        # Proxy variables from the environment must not divert registry traffic
+        # to a head-node registry through an intercepting proxy.
+        self.session.trust_env = False
+        retry = Retry(
+            total=retries,
+            connect=retries,
+            read=retries,
+            status=retries,
+            backoff_factor=0.3,
+            status_forcelist=(500, 502, 503, 504),
+            allowed_methods=frozenset({"GET", "HEAD", "DELETE", "PUT"}),
+            raise_on_status=False,
+            respect_retry_after_header=True,
+        )
+        adapter = HTTPAdapter(max_retries=retry, pool_maxsize=16)
+        self.session.mount("http://", adapter)
+        self.session.mount("https://", adapter)
+        self.auth = Authenticator(credentials, self.session, timeout[0] + timeout[1], self.verify)
+        self._authorization: str | None = None
+
+    # -- transport -------------------------------------------------------------------------
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        ok: Iterable[int] = (200,),
+        headers: dict[str, str] | None = None,
+        params: dict[str, Any] | None = None,
+        stream: bool = False,
+    ) -> requests.Response:
+        """One request, with the auth loop; raises RegistryError unless status is in ``ok``."""
+        url = path if path.startswith(("http://", "https://")) else self.base_url + path
+        accepted = set(ok)
+        sent_headers = dict(headers or {})
+        for attempt in range(3):  # anonymous or cached header, then at most two challenges
+            if self._authorization:
+                sent_headers["Authorization"] = self._authorization
+            response = self._send(method, url, sent_headers, params, stream)
+            if response.status_code != 401 or 401 in accepted:
+                break
+            if attempt == 2:
+                break
+            response.close()
+            self._authorization = self.auth.answer(response, self.address)
+        if response.status_code == 401 and 401 not in accepted:
+            raise AuthError(
+                f"registry {self.address} refused the credentials ({method} {path})",
+                hint="check the username and password in your credentials file",
+                method=method,
+                url=url,
+                status=401,
+            )
+        if response.status_code not in accepted:
+            raise self._status_error(method, url, response)
+        return response
+
+    def _send(self, method, url, headers, params, stream) -> requests.Response:
+        try:
+            return self.session.request(
+                method, url, headers=headers, params=params, stream=stream,
+                timeout=self.timeout, verify=self.verify, allow_redirects=True,
+            )
+        except requests.exceptions.SSLError as exc:
+            raise RegistryError(
+                f"TLS verification failed for {self.base_url}",
+                hint="set registry.ca_file in imgpipe.yaml to the registry's CA certificate",
+                method=method, url=url,
+            ) from exc
+        except requests.exceptions.ConnectionError as exc:
+            raise RegistryError(
+                f"cannot reach the registry at {self.base_url}",
+                hint="start it with `imgpipe registry up`, or fix registry.host/port "
+                "in imgpipe.yaml",
+                method=method, url=url,
+            ) from exc
+        except requests.exceptions.Timeout as exc:
+            raise RegistryError(
+                f"the registry at {self.base_url} did not answer in time ({method} {url})",
+                method=method, url=url,
+            ) from exc
+        except requests.RequestException as exc:
+            raise RegistryError(f"{method} {url} failed: {type(exc).__name__}",
+                                method=method, url=url) from exc
+
+    @staticmethod
+    def _status_error(method: str, url: str, response: requests.Response) -> RegistryError:
+        code, detail = None, ""
+        try:
+            errors = response.json().get("errors") or []
+            if errors:
+                code = errors[0].get("code")
+                detail = errors[0].get("message", "")
+        except ValueError:
+            pass
+        hint = None
+        if code == "UNSUPPORTED" and method == "DELETE":
+            hint = "the registry must run with deletion enabled (REGISTRY_STORAGE_DELETE_ENABLED)"
+        text = f"{method} {url}: HTTP {response.status_code}"
+        if code:
+            text += f" {code}"
+        if detail:
+            text += f" ({detail})"
+        return RegistryError(text, hint, method=method, url=url,
+                             status=response.status_code, registry_code=code)
+
+    # -- API -------------------------------------------------------------------------------
+
+    def ping(self) -> None:
+        """Check the registry speaks API v2 (and that our credentials work)."""
+        response = self.request("GET", "/v2/", ok={200})
+        if "registry/2.0" not in response.headers.get("Docker-Distribution-API-Version", "registry/2.0"):
+            raise RegistryError(f"{self.base_url} is not a Docker registry v2")
+
+    def _paged(self, path: str, key: str, page_size: int) -> list[str]:
+        items: list[str] = []
+        url: str | None = path
+        params: dict[str, Any] | None = {"n": page_size}
+        while url:
+            response = self.request("GET", url, params=params)
+            items.extend(response.json().get(key) or [])
+            nxt = response.links.get("next", {}).get("url")
+            # The Link target is relative and already carries n and last.
+            url = urljoin(response.url, nxt) if nxt else None
+            params = None
+        return items
+
+    def catalog(self, page_size: int = PAGE_SIZE) -> list[str]:
+        """Every repository, following the Link header page by page."""
+        return self._paged("/v2/_catalog", "repositories", page_size)
+
+    def tags(self, repository: str, page_size: int = PAGE_SIZE) -> list[str]:
+        """Every tag of ``repository`` (empty when all were deleted)."""
+        response = self.request("GET", f"/v2/{repository}/tags/list", ok={200, 404},
+                                params={"n": page_size})
+        if response.status_code == 404:
+            raise RegistryError(f"repository {repository!r} not found in {self.address}",
+                                status=404, registry_code="NAME_UNKNOWN")
+        items = list(response.json().get("tags") or [])
+        nxt = response.links.get("next", {}).get("url")
+        if nxt:
+            items += self._paged(urljoin(response.url, nxt), "tags", page_size)
+        return items
+
+    def manifest(
+        self, repository: str, reference: str, platform: Platform | None = None
+    ) -> Manifest:
+        """The image manifest for ``reference``, resolving an index to ``platform``."""
+        response = self.request("GET", f"/v2/{repository}/manifests/{reference}", ok={200, 404},
+                                headers={"Accept": MANIFEST_ACCEPT})
+        if response.status_code == 404:
+            raise RegistryError(f"{self.address}/{repository}:{reference} not found",
+                                hint="list what exists with `imgpipe registry tags "
+                                f"{repository}`", status=404, registry_code="MANIFEST_UNKNOWN")
+        manifest = self._manifest_from(response, reference)
+        if manifest.media_type in INDEX_TYPES:
+            entry = select_platform(manifest.body, platform or Platform.host())
+            return self.manifest(repository, entry["digest"], platform)
+        return manifest
+
+    def _manifest_from(self, response: requests.Response, reference: str) -> Manifest:
+        raw = response.content
+        computed = sha256_digest(raw)
+        header = response.headers.get("Docker-Content-Digest")
+        if reference.startswith("sha256:") and computed != reference:
+            raise DigestMismatchError(f"manifest {reference} has digest {computed}")
+        if header and header != computed:
+            log.debug("Docker-Content-Digest %s differs from computed %s", header, computed)
+        media_type = response.headers.get("Content-Type", "").split(";")[0].strip()
+        try:
+            media_type = json.loads(raw).get("mediaType") or media_type
+        except ValueError as exc:
+            raise RegistryError(f"manifest {reference} is not JSON") from exc
+        # The digest names the bytes served; computing it works when the header is missing.
+        return Manifest(computed, media_type, raw)
+
+    def manifest_digest(self, repository: str, reference: str) -> str | None:
+        """Digest of the manifest ``reference`` points to (HEAD), or None when absent."""
+        response = self.request("HEAD", f"/v2/{repository}/manifests/{reference}",
+                                ok={200, 404}, headers={"Accept": MANIFEST_ACCEPT})
+        if response.status_code == 404:
+            return None
+        digest = response.headers.get("Docker-Content-Digest")
+        if digest:
+            return digest
+        # Some registries omit the header on HEAD: fall back to hashing the bytes.
+        got = self.request("GET", f"/v2/{repository}/manifests/{reference}",
+                           headers={"Accept": MANIFEST_ACCEPT})
+        return sha256_digest(got.content)
+
+    def delete_manifest(self, repository: str, digest: str) -> None:
+        """Delete a manifest by digest (every tag pointing at it goes with it)."""
+        self.request("DELETE", f"/v2/{repository}/manifests/{digest}", ok={202})
+
+    def blob_exists(self, repository: str, digest: str) -> bool:
+        response = self.request("HEAD", f"/v2/{repository}/blobs/{digest}", ok={200, 404})
+        return response.status_code == 200
+
+    def fetch_blob(
+        self,
+        repository: str,
+        digest: str,
+        dest: str | os.PathLike[str],
+        progress: Callable[[int], None] | None = None,
+    ) -> Path:
+        """Stream a blob into ``dest``, hashing as it goes; publish only if the digest matches."""
+        algorithm, _, expected = digest.partition(":")
+        if algorithm != "sha256":
+            raise RegistryError(f"unsupported digest algorithm in {digest!r}")
+        url_path = f"/v2/{repository}/blobs/{digest}"
+        with atomic_path(dest) as tmp:
+            response = self.request("GET", url_path, stream=True)
+            hasher = hashlib.sha256()
+            try:
+                with open(tmp, "wb") as out:
+                    for chunk in response.iter_content(CHUNK):
+                        hasher.update(chunk)
+                        out.write(chunk)
+                        if progress:
+                            progress(len(chunk))
+            except requests.RequestException as exc:
+                raise RegistryError(f"download of {digest} from {self.address} broke off",
+                                    method="GET", url=url_path) from exc
+            finally:
+                response.close()
+            if hasher.hexdigest() != expected:
+                raise DigestMismatchError(
+                    f"blob {digest} of {repository} failed verification: its bytes hash to "
+                    f"sha256:{hasher.hexdigest()}",
+                    hint="the registry's storage is corrupt; delete and push the image again",
+                    method="GET", url=url_path,
+                )
+        return Path(dest)
+
+
+def select_platform(index: dict[str, Any], platform: Platform) -> dict[str, Any]:
+    """The index entry for ``platform``; attestation (unknown/unknown) entries are skipped."""
+    candidates = []
+    for entry in index.get("manifests", []):
+        plat = entry.get("platform") or {}
+        if plat.get("os") == "unknown" or plat.get("architecture") == "unknown":
+            continue
+        if plat.get("os") == platform.os and plat.get("architecture") == platform.architecture:
+            candidates.append(entry)
+    if platform.variant:
+        exact = [e for e in candidates if e["platform"].get("variant") == platform.variant]
+        candidates = exact or candidates
+    if not candidates:
+        offered = sorted(
+            f"{(e.get('platform') or {}).get('os')}/{(e.get('platform') or {}).get('architecture')}"
+            for e in index.get("manifests", [])
+        )
+        raise RegistryError(
+            f"no image for {platform.os}/{platform.architecture} in the index "
+            f"(it offers {', '.join(offered) or 'nothing'})"
+        )
+    return candidates[0]
+
+
+def client_for(reference: Reference, scheme: str = "http", **kwargs: Any) -> RegistryClient:
+    return RegistryClient(f"{scheme}://{reference.registry}", **kwargs)

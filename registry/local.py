@@ -1,0 +1,514 @@
+"""The head node's registry: up, down, status and garbage collection.
+
+Two ways to run it, chosen by ``registry.server.mode``:
+
+* ``container``: a ``registry:2`` container (named, restart policy
+  ``unless-stopped``, data directory bind-mounted from the host, deletion
+  enabled) on the host network, listening on the configured address.
+  Host networking works with engines started with ``--bridge=none`` as well
+  as ordinary ones.
+* ``binary``: Debian's ``docker-registry`` (the same distribution 2.8
+  release) as a background process managed from the state directory
+  (``config.yml``, ``registry.pid``, ``registry.log``).
+
+``auto`` takes the container when the engine has the image or can pull it,
+the binary otherwise.  ``up`` and ``down`` are idempotent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from imgpipe.pipeline.config import RegistryConfig, Settings
+from imgpipe.pipeline.errors import ImgpipeError
+from imgpipe.pipeline.files import atomic_write
+from imgpipe.pipeline.process import which
+from imgpipe.registry.errors import LocalRegistryError
+
+Mode = Literal["container", "binary"]
+CONTAINER_DATA = "/var/lib/registry"
+CONTAINER_CONFIG = "/etc/docker/registry/config.yml"
+CONTAINER_CERTS = "/certs"
+CONTAINER_AUTH = "/auth"
+BINARY_NAMES = ("docker-registry", "registry")
+START_DEADLINE_S = 20.0
+STOP_DEADLINE_S = 15.0
+
+
+@dataclass(frozen=True)
+class ServerState:
+    """What is running at the configured address right now."""
+
+    mode: Literal["container", "binary", "external", "down"]
+    address: str
+    pid: int | None = None
+    container: str | None = None
+
+
+def dir_bytes(path: Path) -> int:
+    """Bytes of the regular files under ``path`` (0 when it does not exist)."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(FileNotFoundError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """True when something accepts connections on host:port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(1.0)
+        return sock.connect_ex((host, port)) == 0
+
+
+class LocalRegistry:
+    """Lifecycle of the registry that serves ``settings.registry``."""
+
+    def __init__(self, settings: Settings, docker_client_factory: Callable[[], Any] | None = None):
+        self.settings = settings
+        self.config: RegistryConfig = settings.registry
+        server = self.config.server
+        self.state_dir = settings.path(server.state_dir).resolve()
+        self.data_dir = settings.path(server.data_dir).resolve()
+        self.tls_cert = settings.path(server.tls_cert).resolve() if server.tls_cert else None
+        self.tls_key = settings.path(server.tls_key).resolve() if server.tls_key else None
+        self.htpasswd = settings.path(server.htpasswd).resolve() if server.htpasswd else None
+        self._docker_factory = docker_client_factory or _docker_from_env
+        self._docker: Any = None
+
+    # -- paths ------------------------------------------------------------------------------
+
+    @property
+    def config_file(self) -> Path:
+        return self.state_dir / "config.yml"
+
+    @property
+    def pid_file(self) -> Path:
+        return self.state_dir / "registry.pid"
+
+    @property
+    def log_file(self) -> Path:
+        return self.state_dir / "registry.log"
+
+    @property
+    def listen(self) -> str:
+        return f"{self.config.server.bind}:{self.config.port}"
+
+    # -- configuration ----------------------------------------------------------------------
+
+    def render_config(self, mode: Mode) -> str:
+        """The registry's config.yml, with paths as the registry process will see them."""
+        inside = mode == "container"
+        http: dict[str, Any] = {
+            "addr": self.listen,
+            "headers": {"X-Content-Type-Options": ["nosniff"]},
+        }
+        if self.tls_cert and self.tls_key:
+            http["tls"] = {
+                "certificate": f"{CONTAINER_CERTS}/tls.crt" if inside else str(self.tls_cert),
+                "key": f"{CONTAINER_CERTS}/tls.key" if inside else str(self.tls_key),
+            }
+        config: dict[str, Any] = {
+            "version": 0.1,
+            "log": {"level": "info", "fields": {"service": "registry"}},
+            "storage": {
+                "filesystem": {"rootdirectory": CONTAINER_DATA if inside else str(self.data_dir)},
+                "delete": {"enabled": True},
+                "cache": {"blobdescriptor": "inmemory"},
+            },
+            "http": http,
+        }
+        if self.htpasswd:
+            config["auth"] = {
+                "htpasswd": {
+                    "realm": "imgpipe-registry",
+                    "path": f"{CONTAINER_AUTH}/htpasswd" if inside else str(self.htpasswd),
+                }
+            }
+        return yaml.safe_dump(config, sort_keys=False)
+
+    # -- state ------------------------------------------------------------------------------
+
+    def _engine(self) -> Any | None:
+        if self._docker is None:
+            self._docker = self._docker_factory()
+        return self._docker or None
+
+    def _container(self) -> Any | None:
+        engine = self._engine()
+        if engine is None:
+            return None
+        import docker.errors
+
+        try:
+            return engine.containers.get(self.config.server.container_name)
+        except docker.errors.NotFound:
+            return None
+        except docker.errors.DockerException:
+            return None
+
+    def _pid(self) -> int | None:
+        try:
+            pid = int(self.pid_file.read_text().strip())
+        except (FileNotFoundError, ValueError):
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            return pid
+        return pid
+
+    def state(self) -> ServerState:
+        address = self.config.address
+        container = self._container()
+        if container is not None and container.status == "running":
+            return ServerState("container", address, container=container.name)
+        pid = self._pid()
+        if pid is not None:
+            return ServerState("binary", address, pid=pid)
+        if port_in_use(self._probe_host(), self.config.port):
+            return ServerState("external", address)
+        return ServerState("down", address)
+
+    def _probe_host(self) -> str:
+        bind = self.config.server.bind
+        return "127.0.0.1" if bind in ("0.0.0.0", "") else bind
+
+    # -- up ---------------------------------------------------------------------------------
+
+    def choose_mode(self) -> Mode:
+        wanted = self.config.server.mode
+        if wanted != "auto":
+            return wanted
+        if self._image_available():
+            return "container"
+        if _binary() is not None:
+            return "binary"
+        raise LocalRegistryError(
+            f"cannot run a registry: no {self.config.server.image} image in the Docker engine "
+            "and no docker-registry binary",
+            hint="apt-get install docker-registry, or load the registry:2 image into the engine",
+        )
+
+    def _image_available(self) -> bool:
+        engine = self._engine()
+        if engine is None:
+            return False
+        import docker.errors
+
+        image = self.config.server.image
+        try:
+            engine.images.get(image)
+            return True
+        except docker.errors.ImageNotFound:
+            pass
+        except docker.errors.DockerException:
+            return False
+        try:
+            engine.images.pull(image)
+            return True
+        except docker.errors.DockerException:
+            return False
+
+    def up(self) -> tuple[ServerState, bool]:
+        """Start the registry unless it runs; returns its state and whether it was started."""
+        current = self.state()
+        if current.mode in ("container", "binary"):
+            return current, False
+        if current.mode == "external":
+            raise LocalRegistryError(
+                f"port {self.config.port} on {self.config.server.bind} is already in use by "
+                "another program",
+                hint="stop that program, or choose another registry.port in imgpipe.yaml",
+            )
+        mode = self.choose_mode()
+        self._check_files()
+        created = self._prepare_dirs()
+        try:
+            if mode == "container":
+                self._start_container()
+            else:
+                self._start_binary()
+            self._wait_until_ready(mode)
+        except BaseException:
+            self._stop_quietly(mode)
+            for path in created:
+                with contextlib.suppress(OSError):
+                    path.rmdir()
+            raise
+        return self.state(), True
+
+    def _check_files(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise LocalRegistryError("registry.server.tls_cert and tls_key go together",
+                                     hint="set both in imgpipe.yaml, or neither")
+        for key, path in (("tls_cert", self.tls_cert), ("tls_key", self.tls_key),
+                          ("htpasswd", self.htpasswd)):
+            if path is not None and not path.is_file():
+                raise LocalRegistryError(f"registry.server.{key}: {path} does not exist")
+        if self.htpasswd and not self.tls_cert:
+            raise LocalRegistryError(
+                "registry.server.htpasswd needs TLS: the registry refuses Basic auth over http",
+                hint="set registry.server.tls_cert and tls_key",
+            )
+
+    def _prepare_dirs(self) -> list[Path]:
+        """Create state and data directories; returns the ones created (for undo)."""
+        created: list[Path] = []
+        for directory in (self.state_dir, self.data_dir):
+            missing = []
+            probe = directory
+            while not probe.exists():
+                missing.append(probe)
+                probe = probe.parent
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+                test = directory / f".imgpipe-write-test.{os.getpid()}"
+                test.write_bytes(b"")
+                test.unlink()
+            except OSError as exc:
+                for path in missing:  # deepest first
+                    with contextlib.suppress(OSError):
+                        path.rmdir()
+                reason = os.strerror(exc.errno) if exc.errno else str(exc)
+                raise LocalRegistryError(
+                    f"cannot write the registry's directory {directory}: {reason.lower()}",
+                    hint="run as a user who may write there, or set registry.server.data_dir "
+                    "and state_dir in imgpipe.yaml",
+                ) from exc
+            created.extend(missing)
+        return created
+
+    def _start_binary(self) -> None:
+        binary = _binary()
+        if binary is None:
+            raise LocalRegistryError("the docker-registry binary is not installed",
+                                     hint="apt-get install docker-registry")
+        atomic_write(self.config_file, self.render_config("binary"), mode=0o600)
+        with open(self.log_file, "ab") as log:
+            proc = subprocess.Popen(
+                [binary, "serve", str(self.config_file)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # survives the CLI; stopped by `registry down`
+                env={k: v for k, v in os.environ.items() if not k.startswith("REGISTRY_")},
+            )
+        atomic_write(self.pid_file, f"{proc.pid}\n")
+        self._proc = proc
+
+    def _start_container(self) -> None:
+        import docker.errors
+
+        engine = self._engine()
+        atomic_write(self.config_file, self.render_config("container"), mode=0o644)
+        volumes = {
+            str(self.data_dir): {"bind": CONTAINER_DATA, "mode": "rw"},
+            str(self.config_file): {"bind": CONTAINER_CONFIG, "mode": "ro"},
+        }
+        if self.tls_cert and self.tls_key:
+            volumes[str(self.tls_cert)] = {"bind": f"{CONTAINER_CERTS}/tls.crt", "mode": "ro"}
+            volumes[str(self.tls_key)] = {"bind": f"{CONTAINER_CERTS}/tls.key", "mode": "ro"}
+        if self.htpasswd:
+            volumes[str(self.htpasswd)] = {"bind": f"{CONTAINER_AUTH}/htpasswd", "mode": "ro"}
+        name = self.config.server.container_name
+        stale = self._container()
+        if stale is not None:
+            stale.remove(force=True)
+        try:
+            engine.containers.run(
+                self.config.server.image,
+                name=name,
+                detach=True,
+                network_mode="host",
+                restart_policy={"Name": "unless-stopped"},
+                volumes=volumes,
+                labels={"org.imgpipe.role": "registry"},
+            )
+        except docker.errors.DockerException as exc:
+            raise LocalRegistryError(f"cannot start the registry container: {exc}") from exc
+
+    def _wait_until_ready(self, mode: Mode) -> None:
+        deadline = time.monotonic() + START_DEADLINE_S
+        while time.monotonic() < deadline:
+            if mode == "binary" and self._proc.poll() is not None:
+                raise LocalRegistryError(
+                    f"the registry exited at start: {self._log_tail()}",
+                    hint=f"its log is {self.log_file}",
+                )
+            if mode == "container":
+                container = self._container()
+                if container is None or container.status in ("exited", "dead"):
+                    tail = container.logs(tail=3).decode(errors="replace") if container else ""
+                    raise LocalRegistryError(f"the registry container exited at start: {tail}")
+            if port_in_use(self._probe_host(), self.config.port):
+                return
+            time.sleep(0.1)
+        raise LocalRegistryError(f"the registry did not listen on {self.listen} within "
+                                 f"{START_DEADLINE_S:.0f} s", hint=f"see {self.log_file}")
+
+    def _log_tail(self) -> str:
+        try:
+            lines = self.log_file.read_text(errors="replace").strip().splitlines()
+        except FileNotFoundError:
+            return "(no log)"
+        for line in reversed(lines):
+            if "level=fatal" in line or "level=error" in line or "panic" in line:
+                return _short(line)
+        return _short(lines[-1]) if lines else "(empty log)"
+
+    # -- down -------------------------------------------------------------------------------
+
+    def down(self) -> ServerState:
+        """Stop what `up` started; fine when nothing runs.  Returns what was stopped."""
+        current = self.state()
+        if current.mode == "container":
+            container = self._container()
+            if container is not None:
+                container.stop(timeout=int(STOP_DEADLINE_S))
+                container.remove()
+        elif current.mode == "binary" and current.pid is not None:
+            _terminate(current.pid)
+            with contextlib.suppress(FileNotFoundError):
+                self.pid_file.unlink()
+        return current
+
+    def _stop_quietly(self, mode: Mode) -> None:
+        with contextlib.suppress(ImgpipeError, OSError):
+            if mode == "binary" and getattr(self, "_proc", None) is not None:
+                _terminate(self._proc.pid)
+                self.pid_file.unlink(missing_ok=True)
+            elif mode == "container":
+                container = self._container()
+                if container is not None:
+                    container.remove(force=True)
+
+    # -- garbage collection -----------------------------------------------------------------
+
+    def garbage_collect(self, delete_untagged: bool = False) -> tuple[int, int]:
+        """Stop, collect, restart; returns (bytes before, bytes after) of the data directory."""
+        current = self.state()
+        if current.mode == "external":
+            raise LocalRegistryError(
+                "the registry on this address was not started by imgpipe; "
+                "cannot collect its garbage",
+                hint="run `registry garbage-collect` where that registry runs",
+            )
+        mode: Mode = current.mode if current.mode in ("container", "binary") else self.choose_mode()
+        before = dir_bytes(self.data_dir)
+        was_running = current.mode != "down"
+        if was_running:
+            self.down()
+        try:
+            if mode == "binary":
+                self._gc_binary(delete_untagged)
+            else:
+                self._gc_container(delete_untagged)
+        finally:
+            if was_running:
+                self.up()
+        return before, dir_bytes(self.data_dir)
+
+    def _gc_binary(self, delete_untagged: bool) -> None:
+        binary = _binary()
+        if binary is None:
+            raise LocalRegistryError("the docker-registry binary is not installed",
+                                     hint="apt-get install docker-registry")
+        atomic_write(self.config_file, self.render_config("binary"), mode=0o600)
+        argv = [binary, "garbage-collect", str(self.config_file)]
+        if delete_untagged:
+            argv.append("--delete-untagged")
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=600,
+                              stdin=subprocess.DEVNULL, check=False)
+        with open(self.log_file, "a") as log:
+            log.write(proc.stdout + proc.stderr)
+        if proc.returncode != 0:
+            raise LocalRegistryError(f"garbage collection failed: {_short(proc.stderr)}",
+                                     hint=f"see {self.log_file}")
+
+    def _gc_container(self, delete_untagged: bool) -> None:
+        import docker.errors
+
+        atomic_write(self.config_file, self.render_config("container"), mode=0o644)
+        command = ["garbage-collect", CONTAINER_CONFIG]
+        if delete_untagged:
+            command.append("--delete-untagged")
+        try:
+            output = self._engine().containers.run(
+                self.config.server.image,
+                command=command,
+                remove=True,
+                network_mode="none",
+                volumes={
+                    str(self.data_dir): {"bind": CONTAINER_DATA, "mode": "rw"},
+                    str(self.config_file): {"bind": CONTAINER_CONFIG, "mode": "ro"},
+                },
+            )
+        except docker.errors.DockerException as exc:
+            raise LocalRegistryError(f"garbage collection failed: {_short(str(exc))}") from exc
+        with open(self.log_file, "ab") as log:
+            log.write(output or b"")
+
+
+def _binary() -> str | None:
+    for name in BINARY_NAMES:
+        path = which(name)
+        if path:
+            return path
+    return None
+
+
+def _docker_from_env() -> Any:
+    """A docker SDK client when an engine answers, else False (no engine)."""
+    try:
+        import docker
+
+        client = docker.from_env(timeout=30)
+        client.ping()
+        return client
+    except Exception:  # any failure to reach the engine means "no engine" here
+        return False
+
+
+def _terminate(pid: int) -> None:
+    """SIGTERM, wait, then SIGKILL; the registry flushes nothing that matters at exit."""
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + STOP_DEADLINE_S
+    while time.monotonic() < deadline:
+        try:
+            reaped, _ = os.waitpid(pid, os.WNOHANG)
+            if reaped == pid:
+                return
+        except ChildProcessError:
+            pass
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _short(text: str, limit: int = 300) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+__all__ = ["LocalRegistry", "ServerState", "dir_bytes", "port_in_use"]
