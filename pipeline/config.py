@@ -113,7 +113,9 @@ def find_config(start: Path) -> Path | None:
     return None
 
 
-def load_settings(explicit: str | os.PathLike[str] | None = None, cwd: Path | None = None) -> Settings:
+def load_settings(
+    explicit: str | os.PathLike[str] | None = None, cwd: Path | None = None
+) -> Settings:
     """Load and validate the config; the embedded default when there is none."""
     cwd = (cwd or Path.cwd()).resolve()
     if explicit is not None:

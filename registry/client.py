@@ -213,7 +213,8 @@ class RegistryClient:
     def ping(self) -> None:
         """Check the registry speaks API v2 (and that our credentials work)."""
         response = self.request("GET", "/v2/", ok={200})
-        if "registry/2.0" not in response.headers.get("Docker-Distribution-API-Version", "registry/2.0"):
+        version = response.headers.get("Docker-Distribution-API-Version", "registry/2.0")
+        if "registry/2.0" not in version:
             raise RegistryError(f"{self.base_url} is not a Docker registry v2")
 
     def _paged(self, path: str, key: str, page_size: int) -> list[str]:

@@ -19,7 +19,9 @@ _COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
 REPO_RE = re.compile(rf"^{_COMPONENT}(?:/{_COMPONENT})*$")
 TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 DIGEST_RE = re.compile(r"^sha256:[a-f0-9]{64}$")
-HOST_RE = re.compile(r"^(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)(?:\.[A-Za-z0-9-]+)*(?::[0-9]{1,5})?$")
+HOST_RE = re.compile(
+    r"^(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)(?:\.[A-Za-z0-9-]+)*(?::[0-9]{1,5})?$"
+)
 
 FORMS = "host:port/repo:tag, host:port/repo@sha256:<digest>, host:port#repo:tag or repo:tag"
 

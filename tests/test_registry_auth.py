@@ -1,0 +1,166 @@
+"""Basic (htpasswd over TLS) and Bearer-token auth against real registries."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trustme
+from imgpipe.registry.auth import (
+    Credentials,
+    credentials_from_docker_config,
+    credentials_from_netrc,
+    parse_challenge,
+)
+from imgpipe.registry.client import RegistryClient
+from imgpipe.registry.errors import AuthError
+
+from tests import services
+
+pytestmark = pytest.mark.e2e
+USER, PASSWORD = "alice", "s3cret-Pa55word"
+
+
+@pytest.fixture(scope="module")
+def tls_htpasswd_registry(tmp_path_factory) -> Iterator[tuple[services.RegistryProcess, Path]]:
+    root = tmp_path_factory.mktemp("tls-registry")
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    cert.private_key_and_cert_chain_pem.write_to_path(str(root / "server.pem"))
+    cert.private_key_pem.write_to_path(str(root / "server.key"))
+    cert.cert_chain_pems[0].write_to_path(str(root / "server.crt"))
+    ca.cert_pem.write_to_path(str(root / "ca.pem"))
+    services.htpasswd_file(root / "htpasswd", USER, PASSWORD)
+    server = services.start_registry(root, extra={
+        "http": {"tls": {"certificate": str(root / "server.crt"),
+                         "key": str(root / "server.key")}},
+        "auth": {"htpasswd": {"realm": "test", "path": str(root / "htpasswd")}},
+    }, scheme="https")
+    yield server, root / "ca.pem"
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def token_registry(tmp_path_factory) -> Iterator[tuple[services.RegistryProcess,
+                                                       services.TokenServer]]:
+    root = tmp_path_factory.mktemp("token-registry")
+    tokens = services.start_token_server(root, USER, PASSWORD)
+    server = services.start_registry(root, extra={
+        "auth": {"token": {"realm": tokens.url, "service": tokens.service,
+                           "issuer": tokens.issuer, "rootcertbundle": str(tokens.cert_file)}},
+    })
+    yield server, tokens
+    server.stop()
+    tokens.stop()
+
+
+def test_basic_auth_over_tls(tls_htpasswd_registry) -> None:
+    server, ca = tls_htpasswd_registry
+    client = RegistryClient(server.url, credentials=Credentials(USER, PASSWORD), ca_file=ca)
+    client.ping()
+    assert client.catalog() == []
+
+
+def test_basic_auth_wrong_password_is_one_line(tls_htpasswd_registry) -> None:
+    server, ca = tls_htpasswd_registry
+    client = RegistryClient(server.url, credentials=Credentials(USER, "wrong"), ca_file=ca)
+    with pytest.raises(AuthError) as caught:
+        client.catalog()
+    assert caught.value.message.startswith(f"registry {server.address} refused the credentials")
+    assert "wrong" not in str(caught.value)
+
+
+def test_basic_auth_without_credentials_says_how_to_log_in(tls_htpasswd_registry) -> None:
+    server, ca = tls_htpasswd_registry
+    with pytest.raises(AuthError) as caught:
+        RegistryClient(server.url, ca_file=ca).ping()
+    assert "requires a login" in caught.value.message
+    assert "registry.credentials" in caught.value.hint
+
+
+def test_tls_without_the_ca_names_the_fix(tls_htpasswd_registry) -> None:
+    server, _ = tls_htpasswd_registry
+    with pytest.raises(Exception) as caught:
+        RegistryClient(server.url, credentials=Credentials(USER, PASSWORD), retries=0).ping()
+    assert "TLS verification failed" in str(caught.value)
+    assert "registry.ca_file" in str(caught.value)
+
+
+def test_bearer_token_flow(token_registry) -> None:
+    server, tokens = token_registry
+    client = RegistryClient(server.url, credentials=Credentials(USER, PASSWORD))
+    client.ping()
+    assert tokens.requests_seen and tokens.requests_seen[-1]["authorized"]
+    assert client.catalog() == []
+    assert any("scope=registry%3Acatalog%3A%2A" in r["path"] for r in tokens.requests_seen)
+
+
+def test_bearer_wrong_credentials_is_one_line(token_registry) -> None:
+    server, tokens = token_registry
+    client = RegistryClient(server.url, credentials=Credentials(USER, "nope"))
+    with pytest.raises(AuthError) as caught:
+        client.catalog()
+    assert caught.value.message == (
+        f"token endpoint {tokens.url} refused the credentials for {server.address} (HTTP 401)")
+    assert "nope" not in str(caught.value)
+
+
+def test_cli_with_netrc_credentials_over_tls(cli, tls_htpasswd_registry, tmp_path) -> None:
+    server, ca = tls_htpasswd_registry
+    netrc = tmp_path / "netrc"
+    netrc.write_text(f"machine 127.0.0.1 login {USER} password {PASSWORD}\n")
+    netrc.chmod(0o600)
+    cli.write_config({"registry": {"port": server.port, "scheme": "https", "ca_file": str(ca),
+                                   "credentials": {"source": "netrc", "file": str(netrc)}}})
+    code, out, err = cli("registry", "ls", "--json")
+    assert code == 0, err
+    assert json.loads(out)["data"]["repositories"] == []
+    netrc.write_text(f"machine 127.0.0.1 login {USER} password bad-{PASSWORD}\n")
+    code, out, err = cli("registry", "ls")
+    assert code == 1
+    assert err.strip().splitlines() == [
+        f"error: registry {server.address} refused the credentials (GET /v2/_catalog) "
+        "(hint: check the username and password in your credentials file)"]
+    assert PASSWORD not in err + out
+
+
+def test_cli_with_docker_config_and_bearer(cli, token_registry, tmp_path) -> None:
+    import base64
+
+    server, _ = token_registry
+    config = tmp_path / "config.json"
+    auth = base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
+    config.write_text(json.dumps({"auths": {server.address: {"auth": auth}}}))
+    cli.write_config({"registry": {"port": server.port, "credentials": {
+        "source": "docker-config", "file": str(config)}}})
+    code, out, err = cli("registry", "status", "--json")
+    assert code == 0, err
+    assert json.loads(out)["data"]["reachable"] is True
+
+
+def test_credentials_lookup(tmp_path: Path) -> None:
+    import base64
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"auths": {
+        "head:5000": {"auth": base64.b64encode(b"bob:pw:with:colons").decode()},
+        "https://other:443": {"username": "carol", "password": "x"}}}))
+    assert credentials_from_docker_config("head:5000", config) == Credentials("bob", "pw:with:colons")
+    assert credentials_from_docker_config("other:443", config) == Credentials("carol", "x")
+    assert credentials_from_docker_config("nowhere:1", config) is None
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine head login dave password pw\n")
+    # Enroot's rule: the port is stripped when matching the machine name.
+    assert credentials_from_netrc("head:5000", netrc) == Credentials("dave", "pw")
+    assert credentials_from_netrc("else:5000", netrc) is None
+    assert "pw" not in repr(Credentials("dave", "pw"))
+
+
+def test_challenge_parsing() -> None:
+    scheme, params = parse_challenge(
+        'Bearer realm="https://auth.example/token",service="reg",scope="repository:a/b:pull,push"')
+    assert scheme == "bearer"
+    assert params == {"realm": "https://auth.example/token", "service": "reg",
+                      "scope": "repository:a/b:pull,push"}
