@@ -105,6 +105,30 @@ def doctor(ctx: click.Context) -> Result:
     return Result({"checks": checks}, lines, ok=not failed)
 
 
+@cli.command(name="base-image", context_settings=CONTEXT)
+@click.option("--tag", default="imgpipe/debian-python:bookworm", show_default=True,
+              help="Name of the image to create in the engine.")
+@click.option("--suite", default="bookworm", show_default=True, help="Debian release.")
+@click.option("--mirror", default="http://deb.debian.org/debian", show_default=True,
+              help="Debian mirror debootstrap fetches from.")
+@click.option("--rebuild", is_flag=True, help="Make it again even if the image exists.")
+@reporting
+def base_image(ctx: click.Context, tag: str, suite: str, mirror: str, rebuild: bool) -> Result:
+    """Make a Debian base image with Python by debootstrap (for hosts that cannot pull).
+
+    Needs root and debootstrap; reuses the image when it already exists.
+
+    \b
+    Example (then build the cpu flavor on it):
+      imgpipe base-image --tag local/debian-python:bookworm
+    """
+    from imgpipe.pipeline.baseimage import ensure_base_image
+
+    made, created = ensure_base_image(tag, suite, mirror, rebuild=rebuild)
+    verb = "created" if created else "already present"
+    return Result({"tag": made, "created": created}, [f"{made}: {verb}"])
+
+
 def _register_subcommands() -> None:
     from imgpipe.pipeline.cli_registry import registry
 

@@ -85,19 +85,9 @@ def image_present(tag: str) -> bool:
 
 def ensure_base_image() -> str:
     """A Debian bookworm image with Python, made by debootstrap once per machine."""
-    if image_present(BASE_IMAGE):
-        return BASE_IMAGE
-    with tempfile.TemporaryDirectory(prefix="imgpipe-rootfs-") as root:
-        subprocess.run(
-            ["debootstrap", "--variant=minbase", "--include=python3,ca-certificates",
-             "bookworm", root, DEBIAN_MIRROR],
-            check=True, capture_output=True, timeout=900,
-        )
-        tar = subprocess.Popen(["tar", "-C", root, "-c", "."], stdout=subprocess.PIPE)
-        subprocess.run([DOCKER, "import", "-c", 'CMD ["/bin/bash"]', "-", BASE_IMAGE],
-                       stdin=tar.stdout, check=True, capture_output=True, timeout=600)
-        tar.wait()
-    return BASE_IMAGE
+    from imgpipe.pipeline.baseimage import ensure_base_image as make
+
+    return make(BASE_IMAGE, mirror=DEBIAN_MIRROR, docker=DOCKER)[0]
 
 
 @dataclass
@@ -318,3 +308,27 @@ def htpasswd_file(path: Path, username: str, password: str) -> Path:
 
 def remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+REGISTRY_IMAGE = "imgpipe-test/registry:2"
+
+
+def ensure_registry_image(base: str) -> str:
+    """A registry:2-shaped image (entrypoint ``registry``, default ``serve`` config) built
+    from the base image and Debian's docker-registry binary, since no public image can
+    be pulled here."""
+    if image_present(REGISTRY_IMAGE):
+        return REGISTRY_IMAGE
+    name = f"imgpipe-registry-build-{os.getpid()}"
+    subprocess.run([DOCKER, "create", "--name", name, base], check=True, capture_output=True)
+    try:
+        subprocess.run([DOCKER, "cp", shutil.which("docker-registry"), f"{name}:/bin/registry"],
+                       check=True, capture_output=True)
+        subprocess.run([DOCKER, "commit",
+                        "--change", 'ENTRYPOINT ["registry"]',
+                        "--change", 'CMD ["serve", "/etc/docker/registry/config.yml"]',
+                        "--change", "EXPOSE 5000", name, REGISTRY_IMAGE],
+                       check=True, capture_output=True)
+    finally:
+        subprocess.run([DOCKER, "rm", "-f", name], capture_output=True)
+    return REGISTRY_IMAGE

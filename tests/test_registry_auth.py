@@ -147,7 +147,8 @@ def test_credentials_lookup(tmp_path: Path) -> None:
     config.write_text(json.dumps({"auths": {
         "head:5000": {"auth": base64.b64encode(b"bob:pw:with:colons").decode()},
         "https://other:443": {"username": "carol", "password": "x"}}}))
-    assert credentials_from_docker_config("head:5000", config) == Credentials("bob", "pw:with:colons")
+    found = credentials_from_docker_config("head:5000", config)
+    assert found == Credentials("bob", "pw:with:colons")
     assert credentials_from_docker_config("other:443", config) == Credentials("carol", "x")
     assert credentials_from_docker_config("nowhere:1", config) is None
     netrc = tmp_path / "netrc"

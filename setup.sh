@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Fresh-machine setup for imgpipe, idempotent.  Debian 12, as root.
+#
+#   ./setup.sh demo   install, start the engine and the local registry, push a small
+#                     image to it, show `imgpipe registry status` (outputs under ./build)
+#   ./setup.sh test   install, then run the whole test suite (the tests start and
+#                     stop the engine and registries they need)
+#   ./setup.sh        install only
+set -euo pipefail
+cd "$(dirname "$0")"
+
+mode=${1:-install}
+case "$mode" in install|demo|test) ;; *) echo "usage: $0 [install|demo|test]" >&2; exit 2 ;; esac
+
+PACKAGES=(
+  docker.io docker-registry          # engine with BuildKit (20.10 client), registry 2.8
+  squashfs-tools squashfs-tools-ng   # mksquashfs/unsquashfs, tar2sqfs
+  debootstrap                        # base images without a public registry
+  apache2-utils                      # htpasswd for registry auth
+  shellcheck curl ca-certificates util-linux
+  python3 python3-venv python3-pip
+)
+
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+install_packages() {
+  local missing=()
+  for pkg in "${PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" \
+      || missing+=("$pkg")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    log "installing ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+}
+
+make_venv() {
+  local python=${PYTHON:-python3}
+  if [ ! -x .venv/bin/python ]; then
+    log "creating .venv with $($python --version)"
+    "$python" -m venv .venv
+  fi
+  # Reinstall only when the project's requirements changed.
+  local stamp=.venv/.imgpipe-installed
+  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    log "installing imgpipe (editable) with test extras"
+    .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+    touch "$stamp"
+  fi
+}
+
+engine_answers() { /usr/bin/docker version >/dev/null 2>&1; }
+
+start_engine() {
+  engine_answers && return 0
+  mkdir -p build
+  log "starting dockerd (log: build/dockerd.log)"
+  # No bridge or iptables: builds and containers use the host network.
+  nohup dockerd --bridge=none --iptables=false >build/dockerd.log 2>&1 &
+  for _ in $(seq 1 120); do engine_answers && return 0; sleep 0.5; done
+  log "dockerd did not answer within 60 s; see build/dockerd.log"; exit 1
+}
+
+install_packages
+make_venv
+
+case "$mode" in
+  install) log "done: .venv/bin/imgpipe --help" ;;
+  test)
+    exec .venv/bin/python -m pytest "${@:2}"
+    ;;
+  demo)
+    start_engine
+    imgpipe=.venv/bin/imgpipe
+    "$imgpipe" registry up
+    "$imgpipe" base-image --tag imgpipe/debian-python:bookworm
+    addr=127.0.0.1:5000
+    /usr/bin/docker tag imgpipe/debian-python:bookworm "$addr/imgpipe/debian-python:bookworm"
+    /usr/bin/docker push -q "$addr/imgpipe/debian-python:bookworm"
+    "$imgpipe" registry status
+    ;;
+esac
