@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import docker
+import docker.errors
 import yaml
 from imgpipe.pipeline.config import RegistryConfig, Settings
 from imgpipe.pipeline.errors import ImgpipeError
@@ -149,8 +151,6 @@ class LocalRegistry:
         engine = self._engine()
         if engine is None:
             return None
-        import docker.errors
-
         try:
             return engine.containers.get(self.config.server.container_name)
         except docker.errors.NotFound:
@@ -207,8 +207,6 @@ class LocalRegistry:
         engine = self._engine()
         if engine is None:
             return False
-        import docker.errors
-
         image = self.config.server.image
         try:
             engine.images.get(image)
@@ -311,8 +309,6 @@ class LocalRegistry:
         self._proc = proc
 
     def _start_container(self) -> None:
-        import docker.errors
-
         engine = self._engine()
         atomic_write(self.config_file, self.render_config("container"), mode=0o644)
         volumes = {
@@ -440,8 +436,6 @@ class LocalRegistry:
                                      hint=f"see {self.log_file}")
 
     def _gc_container(self, delete_untagged: bool) -> None:
-        import docker.errors
-
         atomic_write(self.config_file, self.render_config("container"), mode=0o644)
         command = ["garbage-collect", CONTAINER_CONFIG]
         if delete_untagged:
@@ -474,12 +468,10 @@ def _binary() -> str | None:
 def _docker_from_env() -> Any:
     """A docker SDK client when an engine answers, else False (no engine)."""
     try:
-        import docker
-
         client = docker.from_env(timeout=30)
         client.ping()
         return client
-    except Exception:  # any failure to reach the engine means "no engine" here
+    except docker.errors.DockerException:
         return False
 
 
