@@ -165,3 +165,22 @@ def test_challenge_parsing() -> None:
     assert scheme == "bearer"
     assert params == {"realm": "https://auth.example/token", "service": "reg",
                       "scope": "repository:a/b:pull,push"}
+
+
+def test_verbose_logs_hold_no_password_or_token(cli, token_registry, tmp_path, caplog) -> None:
+    import base64
+    import logging
+
+    server, _ = token_registry
+    config = tmp_path / "config.json"
+    auth = base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
+    config.write_text(json.dumps({"auths": {server.address: {"auth": auth}}}))
+    cli.write_config({"registry": {"port": server.port, "credentials": {
+        "source": "docker-config", "file": str(config)}}})
+    with caplog.at_level(logging.DEBUG):
+        code, out, err = cli("-v", "registry", "ls")
+    assert code == 0, err
+    everything = out + err + caplog.text
+    assert "got a token" in caplog.text  # debug logging really was on
+    for secret in (PASSWORD, auth, "eyJ"):  # "eyJ" starts every JWT
+        assert secret not in everything

@@ -218,3 +218,17 @@ def test_container_mode_up_status_gc_down(cli, base_image) -> None:
     assert code == 0 and "stopped (container)" in out
     gone = subprocess.run([services.DOCKER, "inspect", name], capture_output=True)
     assert gone.returncode != 0
+
+
+def test_doctor_reports_each_piece_with_a_fix(cli, docker_engine) -> None:
+    cli.write_config({"registry": {"port": services.free_port()}})
+    code, out, _ = cli("doctor", "--json")
+    checks = {c["name"]: c for c in json.loads(out)["data"]["checks"]}
+    assert checks["docker engine"]["verdict"] == "ok"
+    assert checks["buildkit"]["verdict"] == "ok"
+    assert checks["squashfs tools"]["verdict"] == "ok"
+    assert checks["registry"]["verdict"] == "missing"
+    assert checks["registry"]["fix"] == "imgpipe registry up"
+    assert code == 1  # a required piece (the registry) is missing
+    for check in checks.values():
+        assert check["verdict"] == "ok" or check["fix"], check

@@ -123,3 +123,59 @@ def test_platform_selection_skips_attestations(index_type: str) -> None:
     assert select_platform(index, Platform("linux", "arm64", "v8"))["digest"] == "sha256:arm"
     with pytest.raises(RegistryError, match="no image for linux/s390x"):
         select_platform(index, Platform("linux", "s390x"))
+
+
+def test_index_pushed_to_the_registry_resolves_to_this_platform(
+    registry_server: services.RegistryProcess, client: RegistryClient
+) -> None:
+    import json
+
+    session = services.plain_session()
+    url = registry_server.url
+    amd = services.push_image(session, url, "multi/arch", "amd", [services.tar_layer({"a": b"a"})])
+    arm = services.push_image(session, url, "multi/arch", "arm", [services.tar_layer({"r": b"r"})])
+    sizes = {d: len(session.get(f"{url}/v2/multi/arch/manifests/{d}", timeout=10, headers={
+        "Accept": "application/vnd.docker.distribution.manifest.v2+json"}).content)
+        for d in (amd, arm)}
+    entry = {"mediaType": "application/vnd.docker.distribution.manifest.v2+json"}
+    index = json.dumps({"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [
+        {**entry, "digest": arm, "size": sizes[arm],
+         "platform": {"os": "linux", "architecture": "arm64", "variant": "v8"}},
+        {**entry, "digest": amd, "size": sizes[amd],
+         "platform": {"os": "linux", "architecture": "amd64"}},
+    ]}).encode()
+    put = session.put(f"{url}/v2/multi/arch/manifests/both", data=index, timeout=10,
+                      headers={"Content-Type": OCI_INDEX})
+    assert put.status_code == 201, put.text
+    assert client.manifest("multi/arch", "both", Platform("linux", "amd64")).digest == amd
+    assert client.manifest("multi/arch", "both", Platform("linux", "arm64", "v8")).digest == arm
+
+
+def test_missing_content_digest_header_falls_back_to_hashing() -> None:
+    """A case a real registry:2 will not produce: a HEAD without Docker-Content-Digest."""
+    import requests
+    from requests.adapters import BaseAdapter
+
+    body = b'{"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json"}'
+
+    class NoDigestHeader(BaseAdapter):
+        def send(self, request, **kwargs):
+            response = requests.Response()
+            response.status_code = 200
+            response._content = b"" if request.method == "HEAD" else body
+            response.headers["Content-Type"] = OCI_MANIFEST_TYPE
+            response.url = request.url
+            response.request = request
+            return response
+
+        def close(self) -> None:
+            pass
+
+    client = RegistryClient("http://registry.invalid:5000")
+    client.session.mount("http://", NoDigestHeader())
+    expected = "sha256:" + __import__("hashlib").sha256(body).hexdigest()
+    assert client.manifest_digest("x/y", "1") == expected
+    assert client.manifest("x/y", "1").digest == expected
+
+
+OCI_MANIFEST_TYPE = "application/vnd.oci.image.manifest.v1+json"

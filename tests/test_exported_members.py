@@ -1,0 +1,61 @@
+"""The public surface of each subsystem is explicit: changing it is a deliberate act."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+EXPECTED = {
+    "imgpipe.pipeline": ["CommandError", "ConfigError", "ImgpipeError", "Settings",
+                         "ToolMissingError", "atomic_path", "atomic_write", "load_settings"],
+    "imgpipe.registry": ["AuthError", "Credentials", "DigestMismatchError", "LocalRegistry",
+                         "LocalRegistryError", "Manifest", "Platform", "Reference",
+                         "ReferenceFormatError", "RegistryClient", "RegistryError", "Removal",
+                         "ServerState", "TagInfo", "remove_tag", "tag_digests"],
+}
+
+
+@pytest.mark.parametrize("module_name", sorted(EXPECTED))
+def test_exported_members(module_name: str) -> None:
+    module = importlib.import_module(module_name)
+    assert sorted(module.__all__) == sorted(EXPECTED[module_name])
+    for name in module.__all__:
+        assert getattr(module, name) is not None
+
+
+def test_every_user_error_derives_from_the_one_base() -> None:
+    from imgpipe.pipeline.errors import ImgpipeError
+    from imgpipe.registry import errors
+
+    for name in ("RegistryError", "AuthError", "DigestMismatchError", "ReferenceFormatError",
+                 "LocalRegistryError"):
+        assert issubclass(getattr(errors, name), ImgpipeError)
+
+
+def test_the_wheel_installs_only_imgpipe(tmp_path) -> None:
+    """`pip install .` must put nothing but imgpipe/ (and its dist-info) in site-packages."""
+    import subprocess
+    import sys
+    import zipfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path),
+                    str(root)], check=True, capture_output=True, timeout=300)
+    [wheel] = tmp_path.glob("imgpipe-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
+    assert tops == {"imgpipe"}
+    for sub in ("pipeline", "registry", "enroot", "recipes"):
+        assert f"imgpipe/{sub}/__init__.py" in names
+    assert "imgpipe/__init__.py" not in names  # a namespace: no folder of its own
+
+
+def test_subsystem_names_do_not_leak_as_top_level_imports() -> None:
+    import sys
+
+    for leaked in ("pipeline", "registry", "enroot", "recipes"):
+        spec_paths = [p for p in sys.path if p and p.endswith(("site-packages",))]
+        for path in spec_paths:
+            assert not (__import__("pathlib").Path(path) / leaked).exists(), (path, leaked)

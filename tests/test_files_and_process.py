@@ -1,0 +1,53 @@
+"""Shared pieces: atomic publication and the subprocess chokepoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from imgpipe.pipeline.errors import CommandError, ToolMissingError
+from imgpipe.pipeline.files import atomic_path, atomic_write
+from imgpipe.pipeline.process import run
+
+
+def test_atomic_write_replaces_whole(tmp_path: Path) -> None:
+    target = tmp_path / "sub" / "file"
+    atomic_write(target, "one")
+    atomic_write(target, b"two", mode=0o600)
+    assert target.read_text() == "two"
+    assert target.stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in target.parent.iterdir()) == ["file"]
+
+
+def test_failure_leaves_the_old_file_and_no_temporary(tmp_path: Path) -> None:
+    target = tmp_path / "imgpipe.lock"
+    target.write_text("old")
+    with pytest.raises(RuntimeError), atomic_path(target) as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("crash midway")
+    assert target.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["imgpipe.lock"]
+
+
+def test_run_captures_and_reports_failure() -> None:
+    assert run(["sh", "-c", "echo out; echo err >&2"]).stdout == "out\n"
+    with pytest.raises(CommandError) as caught:
+        run(["sh", "-c", "echo first >&2; echo 'the reason' >&2; exit 3"], what="the step")
+    assert caught.value.message == "the step failed (exit 3): the reason"
+    assert caught.value.returncode == 3 and "first" in caught.value.stderr
+
+
+def test_run_passes_input_by_stdin_only() -> None:
+    assert run(["cat"], input_text="secret-by-stdin").stdout == "secret-by-stdin"
+    assert run(["cat"]).stdout == ""  # stdin closed, never inherited
+
+
+def test_missing_program_names_the_package() -> None:
+    with pytest.raises(ToolMissingError) as caught:
+        run(["mksquashfs-not-here"])
+    assert caught.value.message == "mksquashfs-not-here is not installed"
+
+
+def test_timeout_is_an_error() -> None:
+    with pytest.raises(CommandError, match="did not finish within 1 s"):
+        run(["sleep", "5"], timeout=1)
