@@ -130,9 +130,12 @@ def base_image(ctx: click.Context, tag: str, suite: str, mirror: str, rebuild: b
 
 
 def _register_subcommands() -> None:
+    from imgpipe.pipeline.cli_build import COMMANDS
     from imgpipe.pipeline.cli_registry import registry
 
     cli.add_command(registry)
+    for command in COMMANDS:
+        cli.add_command(command)
 
 
 _register_subcommands()

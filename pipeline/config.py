@@ -87,6 +87,24 @@ class DockerConfig(_Strict):
     host: str | None = Field(default=None, description="DOCKER_HOST for the engine, if not default")
 
 
+class SecretSources(_Strict):
+    """Where build secrets come from.  Values never enter imgpipe.yaml, a layer or a log."""
+
+    ca_bundle: Path | None = Field(
+        default=Path("/etc/ssl/certs/ca-certificates.crt"),
+        description="CA bundle for intercepting proxies (used only when the file exists)")
+    pip_config: Path | None = None
+    ngc_api_key_env: str = "NGC_API_KEY"
+
+
+class BuildConfig(_Strict):
+    secrets: SecretSources = SecretSources()
+    wheels_dir: Path | None = Field(
+        default=None, description="a folder of .whl files offered to builds (air-gapped sites)")
+    timeout_s: int = Field(default=7200, ge=60)
+    selftest_timeout_s: int = Field(default=900, ge=10)
+
+
 class Settings(_Strict):
     """Everything imgpipe.yaml can say; passed explicitly, never a global."""
 
@@ -94,6 +112,7 @@ class Settings(_Strict):
     outputs: OutputsConfig = OutputsConfig()
     images_dir: Path = Path("images")
     docker: DockerConfig = DockerConfig()
+    build: BuildConfig = BuildConfig()
     default_flavor: Literal["ngc", "cpu"] = "cpu"
     # Folder relative paths resolve against; not a key in the file.
     root: Path = Field(default=Path("."), exclude=True)

@@ -12,7 +12,10 @@ import os
 import shlex
 import shutil
 import subprocess
-from collections.abc import Mapping, Sequence
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from imgpipe.pipeline.errors import CommandError, ToolMissingError
@@ -130,3 +133,66 @@ def _text(data: str | bytes | None) -> str:
     if isinstance(data, bytes):
         return data.decode(errors="replace")
     return data
+
+
+def stream(
+    argv: Sequence[str],
+    on_line: Callable[[str], None],
+    *,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    what: str | None = None,
+) -> Completed:
+    """Run ``argv`` with stdout and stderr merged, handing each line to ``on_line``.
+
+    For long work that reports progress (builds, pushes).  The last lines are
+    kept for the error when it fails; the timeout kills it.
+    """
+    argv = [str(a) for a in argv]
+    require(argv[0])
+    log.debug("stream: %s", shlex.join(argv))
+    full_env = None if env is None else {**os.environ, **env}
+    tail: deque[str] = deque(maxlen=40)
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, errors="replace",
+                                env=full_env, cwd=cwd, bufsize=1)
+    except OSError as exc:
+        raise CommandError(f"cannot run {argv[0]}: {exc.strerror}", argv=argv) from exc
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    started = time.monotonic()
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            tail.append(line)
+            on_line(line)
+        proc.wait()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    finally:
+        timer.cancel()
+    output = "\n".join(tail)
+    if proc.returncode != 0:
+        if time.monotonic() - started >= timeout:
+            message = f"{what or argv[0]} did not finish within {timeout:.0f} s"
+        else:
+            message = (f"{what or shlex.join(argv[:3])} failed (exit {proc.returncode}): "
+                       f"{last_error_line(output)}")
+        raise CommandError(message, argv=argv, returncode=proc.returncode,
+                           stderr=output[-STDERR_TAIL_CHARS:])
+    return Completed(argv, proc.returncode, output, "")
+
+
+def last_error_line(text: str) -> str:
+    """The line that best explains a failure: the last one mentioning an error, else the last."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        lowered = line.lower()
+        if "error" in lowered or "failed" in lowered or "denied" in lowered:
+            return line
+    return lines[-1] if lines else ""

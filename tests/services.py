@@ -30,7 +30,7 @@ import requests
 import yaml
 
 DOCKER = "/usr/bin/docker" if Path("/usr/bin/docker").exists() else "docker"
-BASE_IMAGE = "imgpipe-test/debian-python:bookworm"
+BASE_IMAGE = "imgpipe/debian-python:bookworm"  # what `imgpipe base-image` makes
 DEBIAN_MIRROR = os.environ.get("IMGPIPE_TEST_MIRROR", "http://deb.debian.org/debian")
 
 

@@ -1,0 +1,200 @@
+"""Planning and building the catalog's images; what was built is kept for `imgpipe push`.
+
+``build/state/builds.json`` records, per image and flavor, the image ID and
+tags of the last build and the inputs it was made from, so ``push`` knows
+exactly which bytes to send and which hash to record.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import docker
+import docker.errors
+from imgpipe.pipeline.build import BuildRequest, run_build
+from imgpipe.pipeline.catalog import Image
+from imgpipe.pipeline.config import Settings
+from imgpipe.pipeline.context import stage_context
+from imgpipe.pipeline.engine import BuildClient
+from imgpipe.pipeline.errors import ConfigError, ImgpipeError
+from imgpipe.pipeline.files import atomic_write
+from imgpipe.pipeline.gitinfo import Revision
+from imgpipe.pipeline.lock import LockFile
+from imgpipe.pipeline.plan import PlanItem, plan_image
+from imgpipe.pipeline.progress import Progress
+from imgpipe.pipeline.secrets import secret_files
+from imgpipe.registry.client import RegistryClient
+from imgpipe.registry.reference import Reference
+from pydantic import BaseModel
+
+LABEL_PREFIX = "org.opencontainers.image"
+HASH_LABEL = "org.imgpipe.input-hash"
+FLAVOR_LABEL = "org.imgpipe.flavor"
+
+
+class BuildRecord(BaseModel):
+    image: str
+    flavor: str
+    image_id: str
+    repository: str  # host:port/repo
+    tags: list[str]  # tag names only
+    input_hash: str
+    inputs: dict[str, str]
+    base: str
+    base_digest: str | None
+    built_at: str
+
+
+def state_file(settings: Settings) -> Path:
+    return settings.path(settings.outputs.state_dir) / "builds.json"
+
+
+def read_records(settings: Settings) -> dict[str, BuildRecord]:
+    path = state_file(settings)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except ValueError:
+        return {}  # a damaged state file only costs a rebuild
+    return {key: BuildRecord.model_validate(value) for key, value in raw.items()}
+
+
+def write_record(settings: Settings, record: BuildRecord) -> None:
+    records = read_records(settings)
+    records[f"{record.image}/{record.flavor}"] = record
+    atomic_write(state_file(settings), json.dumps(
+        {k: v.model_dump() for k, v in sorted(records.items())}, indent=2) + "\n")
+
+
+def tag_names(image: Image, flavor: str, revision: Revision | None) -> list[str]:
+    suffix = image.flavor(flavor).tag_suffix
+    names = [image.spec.version]
+    if revision is not None:
+        names.append(revision.tag)
+    names.append("latest")
+    return [f"{name}{suffix}" for name in names]
+
+
+def labels_for(item: PlanItem, revision: Revision | None, now: str) -> dict[str, str]:
+    spec = item.image.spec
+    labels = {
+        f"{LABEL_PREFIX}.title": spec.name,
+        f"{LABEL_PREFIX}.version": spec.version,
+        f"{LABEL_PREFIX}.created": now,
+        f"{LABEL_PREFIX}.source": (revision.remote if revision and revision.remote
+                                   else str(item.image.folder)),
+        f"{LABEL_PREFIX}.base.name": item.build_args["BASE_IMAGE"],
+        HASH_LABEL: item.input_hash,
+        FLAVOR_LABEL: item.flavor,
+    }
+    if spec.description:
+        labels[f"{LABEL_PREFIX}.description"] = spec.description
+    if revision is not None:
+        labels[f"{LABEL_PREFIX}.revision"] = revision.tag
+    labels.update(spec.labels)
+    return labels
+
+
+class BaseResolver:
+    """The base image's identity: registry digest when reachable, else the engine's image ID."""
+
+    def __init__(self, settings: Settings,
+                 registry_for: Callable[[str], RegistryClient]) -> None:
+        self.settings = settings
+        self.registry_for = registry_for
+        self._engine = None
+        self._cache: dict[str, str | None] = {}
+
+    def __call__(self, ref: str) -> str | None:
+        if ref not in self._cache:
+            self._cache[ref] = self._resolve(ref)
+        return self._cache[ref]
+
+    def _resolve(self, ref: str) -> str | None:
+        first = ref.split("/", 1)[0]
+        if "/" in ref and ("." in first or ":" in first or first == "localhost"):
+            try:
+                parsed = Reference.parse(ref)
+                client: RegistryClient = self.registry_for(parsed.registry)
+                digest = client.manifest_digest(parsed.repository, parsed.reference)
+                if digest:
+                    return digest
+            except ImgpipeError:
+                pass
+        try:
+            if self._engine is None:
+                self._engine = docker.from_env(timeout=30)
+            return "image-id:" + self._engine.images.get(ref).id
+        except docker.errors.DockerException:
+            return None
+
+
+def make_plan(settings: Settings, images: list[Image], flavor: str, lock: LockFile, *,
+              overrides: dict[str, str], base_override: str | None, wheels_dir: Path | None,
+              resolver: BaseResolver, force: bool) -> list[PlanItem]:
+    return [plan_image(image, flavor, lock, overrides=overrides, base_override=base_override,
+                       wheels_dir=wheels_dir, resolve_base=resolver, force=force)
+            for image in images]
+
+
+@dataclass(frozen=True)
+class BuildOutcome:
+    image: str
+    flavor: str
+    action: str  # built | up to date
+    reason: str
+    image_id: str | None = None
+    tags: tuple[str, ...] = ()
+    seconds: float = 0.0
+
+
+def build_item(settings: Settings, client: BuildClient, item: PlanItem,
+               revision: Revision | None, progress: Progress, *, wheels_dir: Path | None,
+               secret_overrides: dict[str, Path], cache: bool = True) -> BuildOutcome:
+    """Build one planned image and record it for push."""
+    if item.base_digest is None:
+        base = item.build_args["BASE_IMAGE"]
+        raise ConfigError(
+            f"base image {base} of {item.key} is neither in the Docker engine nor reachable "
+            "in its registry",
+            hint="pull or mirror it (imgpipe mirror), make one (imgpipe base-image), "
+            "or pass --base",
+        )
+    repository = f"{settings.registry.address}/{item.image.spec.repository}"
+    names = tag_names(item.image, item.flavor, revision)
+    now = dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat()
+    started = time.monotonic()
+    progress.step(f"build {item.key}: {item.reason}")
+    with tempfile.TemporaryDirectory(prefix=f"imgpipe-context-{item.image.name}-") as staged:
+        context = stage_context(item.image.folder, item.files, wheels_dir, Path(staged))
+        with secret_files(settings, list(item.image.spec.secrets), secret_overrides) as secrets:
+            request = BuildRequest(
+                context=context, dockerfile=context / item.image.spec.dockerfile,
+                tags=[f"{repository}:{name}" for name in names], build_args=item.build_args,
+                labels=labels_for(item, revision, now), secrets=secrets,
+                timeout_s=settings.build.timeout_s, cache=cache,
+            )
+            try:
+                image_id = run_build(client, request, progress.detail)
+            finally:
+                progress.done()
+    seconds = time.monotonic() - started
+    write_record(settings, BuildRecord(
+        image=item.image.name, flavor=item.flavor, image_id=image_id, repository=repository,
+        tags=names, input_hash=item.input_hash, inputs=item.inputs,
+        base=item.build_args["BASE_IMAGE"], base_digest=item.base_digest, built_at=now))
+    progress.step(f"built {item.key} in {seconds:.1f} s: {image_id[:19]}")
+    return BuildOutcome(item.image.name, item.flavor, "built", item.reason, image_id,
+                        tuple(names), seconds)
+
+
+def skipped(item: PlanItem) -> BuildOutcome:
+    return BuildOutcome(item.image.name, item.flavor, "up to date", item.reason)
+

@@ -1,0 +1,158 @@
+"""The catalog of images: ``images/<name>/image.yaml`` beside a Dockerfile and its payload.
+
+Each definition is validated once into frozen models; an error names the file
+and the key (``images/bert/image.yaml: flavors.cpu.base: Field required``).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from imgpipe.pipeline.config import Settings, format_validation_error
+from imgpipe.pipeline.errors import ConfigError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+IMAGE_FILE = "image.yaml"
+SecretName = Literal["ca_bundle", "pip_config", "ngc_api_key"]
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+ARG_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Flavor(_Strict):
+    """One way to build an image: its base and the build args that go with it."""
+
+    base: str = Field(description="base image, passed as the BASE_IMAGE build arg")
+    build_args: dict[str, str] = Field(default_factory=dict)
+    tag_suffix: str = Field(default="", description="appended to every tag, e.g. -cpu")
+
+    @field_validator("build_args")
+    @classmethod
+    def _arg_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if not ARG_RE.match(name):
+                raise ValueError(f"{name!r} is not a valid build arg name")
+            if name in ("BASE_IMAGE", "FLAVOR"):
+                raise ValueError(f"{name} is set by imgpipe from the flavor")
+        return value
+
+    @field_validator("build_args", mode="before")
+    @classmethod
+    def _as_strings(cls, value: object) -> object:
+        if isinstance(value, dict):
+            return {k: str(v) for k, v in value.items()}
+        return value
+
+
+class ImageSpec(_Strict):
+    """What image.yaml says."""
+
+    name: str
+    repository: str
+    version: str
+    description: str = ""
+    flavors: dict[Literal["ngc", "cpu"], Flavor]
+    labels: dict[str, str] = Field(default_factory=dict)
+    secrets: list[SecretName] = Field(default_factory=list)
+    selftest: list[str] = Field(default_factory=list,
+                                description="argv that proves a built image works")
+    dockerfile: str = "Dockerfile"
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not NAME_RE.match(value):
+            raise ValueError("must be lower-case letters, digits, '.', '_' or '-'")
+        return value
+
+    @field_validator("repository")
+    @classmethod
+    def _repository(cls, value: str) -> str:
+        from imgpipe.registry.reference import REPO_RE
+
+        if not REPO_RE.match(value):
+            raise ValueError("must be a registry repository path such as imgpipe/bert")
+        return value
+
+    @field_validator("flavors")
+    @classmethod
+    def _some_flavor(cls, value: dict) -> dict:
+        if not value:
+            raise ValueError("at least one flavor (ngc or cpu) is needed")
+        return value
+
+
+class Image(BaseModel):
+    """A validated definition and the folder it lives in."""
+
+    model_config = ConfigDict(frozen=True)
+
+    spec: ImageSpec
+    folder: Path
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def dockerfile(self) -> Path:
+        return self.folder / self.spec.dockerfile
+
+    def flavor(self, name: str) -> Flavor:
+        try:
+            return self.spec.flavors[name]  # type: ignore[index]
+        except KeyError:
+            offered = ", ".join(self.spec.flavors)
+            raise ConfigError(f"image {self.name} has no flavor {name!r} (it has {offered})",
+                              hint="pass --flavor with one of those") from None
+
+
+def load_image(folder: Path) -> Image:
+    path = folder / IMAGE_FILE
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: must be a mapping of keys to values")
+    try:
+        spec = ImageSpec(**raw)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(path, exc)) from exc
+    if spec.name != folder.name:
+        raise ConfigError(f"{path}: name: is {spec.name!r} but the folder is {folder.name!r}",
+                          hint="make them the same")
+    image = Image(spec=spec, folder=folder.resolve())
+    if not image.dockerfile.is_file():
+        raise ConfigError(f"{path}: dockerfile: {image.dockerfile} does not exist")
+    return image
+
+
+def load_catalog(settings: Settings) -> dict[str, Image]:
+    """Every image under the images folder, by name."""
+    root = settings.path(settings.images_dir)
+    if not root.is_dir():
+        raise ConfigError(f"images folder {root} does not exist",
+                          hint="set images_dir in imgpipe.yaml or run from the project folder")
+    return {folder.name: load_image(folder)
+            for folder in sorted(root.iterdir()) if (folder / IMAGE_FILE).is_file()}
+
+
+def select(catalog: dict[str, Image], names: tuple[str, ...] | list[str]) -> list[Image]:
+    """The images named (all when none), in catalog order; unknown names are an error."""
+    if not names:
+        return list(catalog.values())
+    unknown = [n for n in names if n not in catalog]
+    if unknown:
+        known = ", ".join(catalog) or "none"
+        raise ConfigError(f"unknown image {unknown[0]!r} (the catalog has {known})",
+                          hint="image names are the folders under images/")
+    return [catalog[n] for n in dict.fromkeys(names)]

@@ -1,0 +1,88 @@
+"""imgpipe.lock: which bytes each image's last push produced, per image and flavor.
+
+Written atomically under an exclusive lock, so concurrent runs serialize and
+a failed push leaves the previous file exactly as it was.  Everything
+downstream (squashfs conversion, recipes) pins to the digests recorded here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from imgpipe.pipeline.errors import ConfigError
+from imgpipe.pipeline.files import atomic_write
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+LOCK_NAME = "imgpipe.lock"
+LOCK_VERSION = 1
+
+
+class LockEntry(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    repository: str  # host:port/repo
+    tags: list[str]
+    digest: str  # manifest digest in the registry
+    config_digest: str
+    input_hash: str
+    inputs: dict[str, str]
+    flavor: str
+    base: str
+    base_digest: str | None = None
+    size: int = 0
+    pushed_at: str
+    squashfs: str | None = None
+    squashfs_sha256: str | None = None
+
+    @property
+    def pinned(self) -> str:
+        return f"{self.repository}@{self.digest}"
+
+
+class LockFile(BaseModel):
+    version: int = LOCK_VERSION
+    images: dict[str, dict[str, LockEntry]] = {}
+
+    def entry(self, name: str, flavor: str) -> LockEntry | None:
+        return self.images.get(name, {}).get(flavor)
+
+
+def lock_path(root: Path) -> Path:
+    return root / LOCK_NAME
+
+
+def read_lock(path: Path) -> LockFile:
+    try:
+        raw: Any = json.loads(path.read_text())
+    except FileNotFoundError:
+        return LockFile()
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: not a readable lock file ({exc})",
+                          hint="restore it from version control, or delete it to rebuild all"
+                          ) from exc
+    try:
+        return LockFile.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(f"{path}: not a valid imgpipe lock file",
+                          hint="restore it from version control") from exc
+
+
+@contextlib.contextmanager
+def updating_lock(path: Path) -> Iterator[LockFile]:
+    """Read, let the caller change, then write atomically; serialized across processes."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    guard = path.with_name(f".{path.name}.guard")
+    with open(guard, "a+") as handle:
+        fcntl.lockf(handle, fcntl.LOCK_EX)
+        try:
+            lock = read_lock(path)
+            yield lock
+            text = json.dumps(lock.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
+            atomic_write(path, text)
+        finally:
+            fcntl.lockf(handle, fcntl.LOCK_UN)

@@ -1,0 +1,102 @@
+"""Change planning: one content hash over everything that shapes an image.
+
+The hash covers the Dockerfile, every context file after .dockerignore (path,
+mode, content), the build args, the flavor, the static labels, the names of
+the secrets used (never their values), the offered wheels, and the base image's
+digest when it can be resolved (its name otherwise).  An image whose hash
+matches its last push (imgpipe.lock) is up to date and is not built.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from imgpipe.pipeline.catalog import Image
+from imgpipe.pipeline.context import ContextFile, context_files, wheels_in
+from imgpipe.pipeline.lock import LockFile
+
+Action = Literal["build", "up to date"]
+INPUT_NAMES = ("dockerfile", "context", "build_args", "flavor", "base", "labels", "secrets",
+               "wheels")
+
+
+def _digest(value: object) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class PlanItem:
+    image: Image
+    flavor: str
+    build_args: dict[str, str]
+    base_digest: str | None
+    inputs: dict[str, str]
+    files: list[ContextFile] = field(repr=False)
+    action: Action = "build"
+    reason: str = ""
+
+    @property
+    def input_hash(self) -> str:
+        return "sha256:" + _digest({k: self.inputs[k] for k in INPUT_NAMES})
+
+    @property
+    def key(self) -> str:
+        return f"{self.image.name}/{self.flavor}"
+
+
+def build_args_for(image: Image, flavor: str, overrides: dict[str, str],
+                   base_override: str | None = None) -> dict[str, str]:
+    spec = image.flavor(flavor)
+    args = {**spec.build_args, **overrides}
+    args["BASE_IMAGE"] = base_override or spec.base
+    args["FLAVOR"] = flavor
+    return dict(sorted(args.items()))
+
+
+def compute_inputs(image: Image, flavor: str, build_args: dict[str, str],
+                   base_digest: str | None, wheels_dir: Path | None
+                   ) -> tuple[dict[str, str], list[ContextFile]]:
+    files = context_files(image.folder)
+    listing = [[f.path, f.mode, f.digest] for f in files]
+    inputs = {
+        "dockerfile": _digest(image.dockerfile.read_bytes().decode(errors="replace")),
+        "context": _digest(listing),
+        "build_args": _digest(build_args),
+        "flavor": flavor,
+        "base": base_digest or f"unresolved:{build_args['BASE_IMAGE']}",
+        "labels": _digest(image.spec.labels),
+        "secrets": _digest(sorted(image.spec.secrets)),
+        "wheels": _digest([[w.name, w.size] for w in wheels_in(wheels_dir)]),
+    }
+    return inputs, files
+
+
+def plan_image(image: Image, flavor: str, lock: LockFile, *, overrides: dict[str, str],
+               base_override: str | None, wheels_dir: Path | None,
+               resolve_base: Callable[[str], str | None], force: bool = False) -> PlanItem:
+    """Decide whether ``image`` in ``flavor`` needs a build, and say why."""
+    build_args = build_args_for(image, flavor, overrides, base_override)
+    base_digest = resolve_base(build_args["BASE_IMAGE"])
+    inputs, files = compute_inputs(image, flavor, build_args, base_digest, wheels_dir)
+    item = PlanItem(image, flavor, build_args, base_digest, inputs, files)
+    previous = lock.entry(image.name, flavor)
+    if force:
+        return _with(item, "build", "--force")
+    if previous is None:
+        return _with(item, "build", "never pushed")
+    if previous.input_hash == item.input_hash:
+        return _with(item, "up to date",
+                     f"inputs match the push of {previous.pushed_at} ({previous.digest[:19]})")
+    changed = [name for name in INPUT_NAMES if previous.inputs.get(name) != inputs[name]]
+    return _with(item, "build", "changed: " + ", ".join(changed or ["hash"]))
+
+
+def _with(item: PlanItem, action: Action, reason: str) -> PlanItem:
+    return PlanItem(item.image, item.flavor, item.build_args, item.base_digest, item.inputs,
+                    item.files, action, reason)

@@ -1,0 +1,92 @@
+"""Pushing built images and recording exactly which bytes were pushed in imgpipe.lock.
+
+The manifest digest comes from the registry (a HEAD of the pushed tag), never
+from the push's progress text; every tag must point to it, and the manifest's
+config digest must be the ID of the image that was built.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import docker
+import docker.errors
+from imgpipe.pipeline.builds import BuildRecord
+from imgpipe.pipeline.engine import BuildClient
+from imgpipe.pipeline.errors import ImgpipeError
+from imgpipe.pipeline.lock import LockEntry, updating_lock
+from imgpipe.pipeline.process import stream
+from imgpipe.pipeline.progress import Progress
+from imgpipe.registry.client import RegistryClient
+from imgpipe.registry.errors import RegistryError
+
+
+@dataclass(frozen=True)
+class PushOutcome:
+    image: str
+    flavor: str
+    repository: str
+    tags: tuple[str, ...]
+    digest: str
+    size: int
+    seconds: float
+
+    @property
+    def pinned(self) -> str:
+        return f"{self.repository}@{self.digest}"
+
+
+def ensure_local(record: BuildRecord) -> None:
+    try:
+        docker.from_env(timeout=30).images.get(record.image_id)
+    except docker.errors.ImageNotFound:
+        raise ImgpipeError(
+            f"the image built for {record.image}/{record.flavor} ({record.image_id[:19]}) is no "
+            "longer in the Docker engine",
+            hint=f"build it again: imgpipe build {record.image} --force",
+        ) from None
+    except docker.errors.DockerException as exc:
+        raise ImgpipeError("no Docker engine answers",
+                           hint="start one: ./setup.sh demo, or dockerd &") from exc
+
+
+def push_record(client: BuildClient, registry: RegistryClient, record: BuildRecord,
+                lock_file: Path, progress: Progress) -> PushOutcome:
+    """Push every tag of ``record``, verify the digest, and record it in the lock."""
+    ensure_local(record)
+    repo_path = record.repository.split("/", 1)[1]
+    started = time.monotonic()
+    progress.step(f"push {record.image}/{record.flavor} -> {record.repository}")
+    try:
+        for tag in record.tags:
+            stream([client.path, "push", f"{record.repository}:{tag}"], progress.detail,
+                   timeout=3600, what=f"push of {record.repository}:{tag}")
+    finally:
+        progress.done()
+    digests = {tag: registry.manifest_digest(repo_path, tag) for tag in record.tags}
+    digest = digests[record.tags[0]]
+    if digest is None or any(d != digest for d in digests.values()):
+        raise RegistryError(f"after the push, the tags of {record.repository} do not all point "
+                            f"to one manifest: {digests}")
+    manifest = registry.manifest(repo_path, digest)
+    if manifest.config_digest != record.image_id:
+        raise RegistryError(
+            f"{record.repository}@{digest} holds config {manifest.config_digest}, not the "
+            f"image that was built ({record.image_id}); was the tag pushed by someone else?")
+    seconds = time.monotonic() - started
+    entry = LockEntry(
+        repository=record.repository, tags=record.tags, digest=digest,
+        config_digest=manifest.config_digest, input_hash=record.input_hash,
+        inputs=record.inputs, flavor=record.flavor, base=record.base,
+        base_digest=record.base_digest, size=manifest.size,
+        pushed_at=dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat(),
+    )
+    with updating_lock(lock_file) as lock:
+        lock.images.setdefault(record.image, {})[record.flavor] = entry
+    progress.step(f"pushed {record.repository}@{digest} ({manifest.size / 1e6:.1f} MB) "
+                  f"in {seconds:.1f} s")
+    return PushOutcome(record.image, record.flavor, record.repository, tuple(record.tags),
+                       digest, manifest.size, seconds)
