@@ -17,6 +17,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tarfile
 import tempfile
 import threading
@@ -332,3 +333,45 @@ def ensure_registry_image(base: str) -> str:
     finally:
         subprocess.run([DOCKER, "rm", "-f", name], capture_output=True)
     return REGISTRY_IMAGE
+
+
+def torch_wheels_dir() -> Path:
+    """The folder holding the CPU torch wheel this machine keeps (pip's find-links)."""
+    out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True,
+                         text=True, timeout=60).stdout
+    candidates = [Path("/opt/wheels")]
+    for line in out.splitlines():
+        if "find-links" in line:
+            candidates += [Path(p) for p in line.split("=", 1)[1].strip("'\" ").split()]
+    for folder in candidates:
+        if list(folder.glob("torch-*cpu*.whl")):
+            return folder
+    looked = ", ".join(map(str, candidates))
+    raise RuntimeError(f"no CPU torch wheel on this machine (looked in {looked}); "
+                       "the cpu flavor cannot be built offline")
+
+
+def image_layer_files(image: str) -> Iterator[tuple[str, bytes]]:
+    """(path, content) of every regular file in every layer of ``image``, via docker save."""
+    with tempfile.TemporaryDirectory(prefix="imgpipe-save-") as work:
+        archive = Path(work) / "image.tar"
+        subprocess.run([DOCKER, "save", "-o", str(archive), image], check=True, timeout=600)
+        with tarfile.open(archive) as outer:
+            for member in outer:
+                if not member.isfile():
+                    continue
+                handle = outer.extractfile(member)
+                assert handle is not None
+                if member.name.endswith("layer.tar") or member.name.startswith("blobs/"):
+                    try:
+                        with tarfile.open(fileobj=handle) as layer:
+                            for entry in layer:
+                                if entry.isfile():
+                                    data = layer.extractfile(entry)
+                                    assert data is not None
+                                    yield f"{member.name}:{entry.name}", data.read()
+                        continue
+                    except tarfile.ReadError:
+                        handle = outer.extractfile(member)
+                        assert handle is not None
+                yield member.name, handle.read()

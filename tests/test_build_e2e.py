@@ -1,0 +1,253 @@
+"""Builds through the real engine's BuildKit, pushes to a real registry, imgpipe.lock.
+
+The bert image (cpu flavor) is built once for the module from the debootstrap
+base; later tests reuse it and BuildKit's cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from imgpipe.registry.client import RegistryClient
+
+from tests import services
+from tests.conftest import CliRun
+
+pytestmark = pytest.mark.e2e
+REPO_IMAGES = Path(__file__).resolve().parent.parent / "images"
+PIP_SECRET = "pip-token-7f3c9e1a-do-not-leak"
+NGC_SECRET = "nvapi-4d2b8e6f0a-do-not-leak"
+
+HELLO_DOCKERFILE = """\
+ARG BASE_IMAGE
+FROM ${BASE_IMAGE}
+COPY hello.txt /hello.txt
+"""
+
+SECRETIVE_DOCKERFILE = """\
+ARG BASE_IMAGE
+FROM ${BASE_IMAGE}
+RUN --mount=type=secret,id=ngc_api_key --mount=type=secret,id=pip_config \\
+    test -s /run/secrets/pip_config && wc -c < /run/secrets/ngc_api_key > /secret-size
+"""
+
+
+def _image(folder: Path, name: str, dockerfile: str, files: dict[str, str],
+           secrets: list[str], selftest: list[str]) -> None:
+    target = folder / name
+    target.mkdir(parents=True)
+    (target / "Dockerfile").write_text(dockerfile)
+    for rel, text in files.items():
+        (target / rel).write_text(text)
+    (target / "image.yaml").write_text(json.dumps({
+        "name": name, "repository": f"test/{name}", "version": "1.0.0",
+        "flavors": {"cpu": {"base": services.BASE_IMAGE}}, "secrets": secrets,
+        "selftest": selftest}))
+
+
+@pytest.fixture(scope="module")
+def project_dir(tmp_path_factory, registry_server, base_image) -> Path:
+    root = tmp_path_factory.mktemp("project")
+    images = root / "images"
+    shutil.copytree(REPO_IMAGES / "bert", images / "bert")
+    _image(images, "hello", HELLO_DOCKERFILE, {"hello.txt": "hello\n"}, [], ["cat", "/hello.txt"])
+    _image(images, "secretive", SECRETIVE_DOCKERFILE, {}, ["ngc_api_key", "pip_config"],
+           ["cat", "/secret-size"])
+    pip_conf = root / "pip.conf"
+    pip_conf.write_text(f"# {PIP_SECRET}\n[global]\ndisable-pip-version-check = true\n")
+    (root / "imgpipe.yaml").write_text(json.dumps({
+        "registry": {"port": registry_server.port},
+        "build": {"wheels_dir": str(services.torch_wheels_dir()),
+                  "secrets": {"pip_config": str(pip_conf)}},
+        "default_flavor": "cpu"}))
+    return root
+
+
+@pytest.fixture
+def project(project_dir: Path, capsys) -> CliRun:
+    return CliRun(project_dir, capsys)
+
+
+def lock_of(project: CliRun) -> dict:
+    return json.loads((project.folder / "imgpipe.lock").read_text())
+
+
+def test_bert_cpu_builds_selftests_and_pushes_with_the_registry_digest(
+    project: CliRun, registry_server
+) -> None:
+    code, out, err = project("build", "bert", "--json")
+    assert code == 0, err[-3000:]
+    [built] = json.loads(out)["data"]["images"]
+    assert built["action"] == "built"
+    assert sorted(built["tags"]) == ["0.1.0-cpu", "latest-cpu"] or len(built["tags"]) == 3
+
+    code, out, err = project("selftest", "bert", "--json")
+    assert code == 0, err[-3000:]
+    assert json.loads(json.loads(out)["data"]["result"])["selftest"] == "passed"
+
+    code, out, err = project("push", "bert", "--json")
+    assert code == 0, err[-3000:]
+    [pushed] = json.loads(out)["data"]["images"]
+    entry = lock_of(project)["images"]["bert"]["cpu"]
+    registry = RegistryClient(registry_server.url)
+    assert entry["digest"] == pushed["digest"]
+    assert entry["digest"] == registry.manifest_digest("imgpipe/bert", "0.1.0-cpu")
+    assert entry["digest"] == registry.manifest_digest("imgpipe/bert", "latest-cpu")
+    assert entry["config_digest"] == registry.manifest("imgpipe/bert", "0.1.0-cpu").config_digest
+    inspect = subprocess.run([services.DOCKER, "image", "inspect", entry["config_digest"]],
+                             capture_output=True, text=True, check=True)
+    config = json.loads(inspect.stdout)[0]["Config"]
+    assert "PYTORCH_VERSION=2.13.0" in config["Env"]
+    assert config["Labels"]["org.imgpipe.input-hash"] == entry["input_hash"]
+    assert config["Labels"]["org.opencontainers.image.version"] == "0.1.0"
+
+
+def test_second_build_with_nothing_changed_calls_no_build(project: CliRun) -> None:
+    before = lock_of(project)
+    code, out, err = project("build", "bert", "--json")
+    assert code == 0, err
+    data = json.loads(out)["data"]
+    assert data["engine_called"] is False
+    assert [i["action"] for i in data["images"]] == ["up to date"]
+    code, out, _ = project("push")
+    assert code == 0 and "nothing to push" in out
+    assert lock_of(project) == before
+
+
+def test_changing_one_payload_file_rebuilds_bert_only(project: CliRun) -> None:
+    assert project("build", "hello")[0] == 0 and project("push", "hello")[0] == 0
+    code, out, _ = project("plan", "bert", "hello", "--json")
+    assert [i["action"] for i in json.loads(out)["data"]["images"]] == ["up to date"] * 2
+
+    payload = project.folder / "images/bert/trainer/bert_trainer/__init__.py"
+    original = payload.read_text()
+    payload.write_text(original + "# a change\n")
+    try:
+        code, out, _ = project("plan", "bert", "hello", "--json")
+        plan = {i["image"]: i for i in json.loads(out)["data"]["images"]}
+        assert plan["bert"]["action"] == "build"
+        assert plan["bert"]["reason"] == "changed: context"
+        assert plan["hello"]["action"] == "up to date"
+        code, out, err = project("build", "bert", "hello", "--json")
+        assert code == 0, err[-2000:]
+        actions = {i["image"]: i["action"] for i in json.loads(out)["data"]["images"]}
+        assert actions["bert"] == "built" and actions["hello"] == "up to date"
+    finally:
+        payload.write_text(original)
+    # Back to the pushed inputs: up to date again.
+    code, out, _ = project("plan", "bert", "--json")
+    assert json.loads(out)["data"]["images"][0]["action"] == "up to date"
+
+
+def test_ignored_files_do_not_change_the_hash(project: CliRun) -> None:
+    cache = project.folder / "images/bert/trainer/bert_trainer/__pycache__"
+    cache.mkdir(exist_ok=True)
+    (cache / "x.cpython-311.pyc").write_bytes(b"junk")
+    code, out, _ = project("plan", "bert", "--json")
+    assert json.loads(out)["data"]["images"][0]["action"] == "up to date"
+
+
+def test_build_arg_or_base_change_the_hash(project: CliRun, base_image: str) -> None:
+    code, out, _ = project("plan", "bert", "--build-arg", "TORCH_VERSION=2.14.1", "--json")
+    item = json.loads(out)["data"]["images"][0]
+    assert item["action"] == "build" and item["reason"] == "changed: build_args"
+
+    other_base = "imgpipe-test/other-base:1"
+    subprocess.run([services.DOCKER, "tag", _hello_tag(project), other_base], check=True)
+    code, out, _ = project("plan", "bert", "--base", other_base, "--json")
+    item = json.loads(out)["data"]["images"][0]
+    assert item["action"] == "build"
+    assert "base" in item["reason"].split(": ")[1].split(", ")
+
+
+def _hello_tag(project: CliRun) -> str:
+    entry = lock_of(project)["images"]["hello"]["cpu"]
+    return f"{entry['repository']}:{entry['tags'][0]}"
+
+
+def test_build_secrets_reach_no_layer_history_or_log(project: CliRun) -> None:
+    os.environ["NGC_API_KEY"] = NGC_SECRET
+    try:
+        code, out, err = project("build", "secretive", "--force")
+    finally:
+        del os.environ["NGC_API_KEY"]
+    assert code == 0, err[-3000:]
+    assert NGC_SECRET not in out + err and PIP_SECRET not in out + err
+    code, out, err = project("selftest", "secretive", "--json")
+    assert code == 0, err
+    # The RUN step really read the secret (it recorded its length, nothing more).
+    assert json.loads(out)["data"]["result"] == str(len(NGC_SECRET))
+
+    records = json.loads((project.folder / "build/state/builds.json").read_text())
+    for key in ("secretive/cpu", "bert/cpu"):
+        image_id = records[key]["image_id"]
+        history = subprocess.run([services.DOCKER, "history", "--no-trunc", image_id],
+                                 capture_output=True, text=True, check=True).stdout
+        assert NGC_SECRET not in history and PIP_SECRET not in history
+        scanned = 0
+        for path, data in services.image_layer_files(image_id):
+            scanned += 1
+            assert NGC_SECRET.encode() not in data, path
+            assert PIP_SECRET.encode() not in data, path
+        assert scanned > 1000  # every layer's files really were read
+    assert PIP_SECRET not in (project.folder / "imgpipe.lock").read_text()
+
+
+def test_unknown_image_name(project: CliRun) -> None:
+    before = (project.folder / "imgpipe.lock").read_bytes()
+    code, out, err = project("build", "bret")
+    assert code == 2
+    assert err.strip().splitlines() == [
+        "error: unknown image 'bret' (the catalog has bert, hello, secretive) "
+        "(hint: image names are the folders under images/)"]
+    assert (project.folder / "imgpipe.lock").read_bytes() == before
+
+
+def test_broken_dockerfile_is_one_line_and_keeps_the_lock(project: CliRun) -> None:
+    before = (project.folder / "imgpipe.lock").read_bytes()
+    dockerfile = project.folder / "images/hello/Dockerfile"
+    original = dockerfile.read_text()
+    dockerfile.write_text(original + "RUN echo about to fail && exit 3\n")
+    try:
+        code, out, err = project("build", "hello")
+    finally:
+        dockerfile.write_text(original)
+    assert code == 1
+    [line] = [x for x in err.splitlines() if x.startswith("error:")]
+    assert line.startswith("error: build of 127.0.0.1:")
+    assert "exit code: 3" in line or "exit 3" in line or "returned a non-zero code: 3" in line
+    assert "Traceback" not in err
+    assert (project.folder / "imgpipe.lock").read_bytes() == before
+
+
+def test_missing_base_image(project: CliRun) -> None:
+    before = (project.folder / "imgpipe.lock").read_bytes()
+    code, _, err = project("build", "hello", "--base", "imgpipe-test/no-such-base:1")
+    assert code == 2
+    assert err.strip().splitlines()[-1] == (
+        "error: base image imgpipe-test/no-such-base:1 of hello/cpu is neither in the Docker "
+        "engine nor reachable in its registry (hint: pull or mirror it (imgpipe mirror), make "
+        "one (imgpipe base-image), or pass --base)")
+    assert (project.folder / "imgpipe.lock").read_bytes() == before
+
+
+def test_unreachable_registry_on_push_keeps_the_lock(project: CliRun) -> None:
+    assert project("build", "hello", "--force", "--build-arg", "UNUSED=1")[0] == 0
+    before = (project.folder / "imgpipe.lock").read_bytes()
+    config = project.folder / "imgpipe.yaml"
+    original = config.read_text()
+    settings = json.loads(original)
+    settings["registry"]["port"] = services.free_port()
+    config.write_text(json.dumps(settings))
+    try:
+        code, _, err = project("push", "hello")
+    finally:
+        config.write_text(original)
+    assert code == 1
+    assert err.strip().splitlines()[-1].startswith("error: cannot reach the registry at ")
+    assert (project.folder / "imgpipe.lock").read_bytes() == before
