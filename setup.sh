@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Fresh-machine setup for imgpipe, idempotent.  Debian 12, as root.
 #
-#   ./setup.sh demo   install, start the engine and the local registry, push a small
-#                     image to it, show `imgpipe registry status` (outputs under ./build)
+#   ./setup.sh demo   install, start the engine and the local registry, build the bert
+#                     image (cpu flavor, offline-capable), self-test it, push it, show
+#                     `imgpipe registry status` (outputs under ./build, lock in ./imgpipe.lock)
 #   ./setup.sh test   install, then run the whole test suite (the tests start and
 #                     stop the engine and registries they need)
 #   ./setup.sh        install only
@@ -76,10 +77,16 @@ case "$mode" in
     start_engine
     imgpipe=.venv/bin/imgpipe
     "$imgpipe" registry up
+    # The cpu flavor's base, made by debootstrap: nothing is pulled from a public registry.
     "$imgpipe" base-image --tag imgpipe/debian-python:bookworm
-    addr=127.0.0.1:5000
-    /usr/bin/docker tag imgpipe/debian-python:bookworm "$addr/imgpipe/debian-python:bookworm"
-    /usr/bin/docker push -q "$addr/imgpipe/debian-python:bookworm"
+    # A CPU torch wheel kept on disk (pip's find-links) keeps the build offline-capable.
+    wheels=()
+    for dir in ${IMGPIPE_WHEELS:-} /opt/wheels; do
+      if compgen -G "$dir/torch-*.whl" >/dev/null; then wheels=(--wheels "$dir"); break; fi
+    done
+    "$imgpipe" build bert --flavor cpu "${wheels[@]}"
+    "$imgpipe" selftest bert --flavor cpu
+    "$imgpipe" push bert
     "$imgpipe" registry status
     ;;
 esac
