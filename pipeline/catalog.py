@@ -63,6 +63,8 @@ class ImageSpec(_Strict):
     selftest: list[str] = Field(default_factory=list,
                                 description="argv that proves a built image works")
     dockerfile: str = "Dockerfile"
+    squashfs_compression: Literal["zstd", "lz4", "lzo-enroot", "none"] | None = Field(
+        default=None, description="overrides enroot.compression in imgpipe.yaml for this image")
 
     @field_validator("name")
     @classmethod

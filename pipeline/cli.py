@@ -130,11 +130,11 @@ def base_image(ctx: click.Context, tag: str, suite: str, mirror: str, rebuild: b
 
 
 def _register_subcommands() -> None:
-    from imgpipe.pipeline.cli_build import COMMANDS
+    from imgpipe.pipeline import cli_build, cli_convert
     from imgpipe.pipeline.cli_registry import registry
 
     cli.add_command(registry)
-    for command in COMMANDS:
+    for command in [*cli_build.COMMANDS, *cli_convert.COMMANDS]:
         cli.add_command(command)
 
 

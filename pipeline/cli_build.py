@@ -167,8 +167,10 @@ def build(ctx: click.Context, images: tuple[str, ...], flavor: str | None,
 
 @click.command(context_settings=CONTEXT)
 @click.argument("images", nargs=-1, metavar="[IMAGE]...")
+@click.option("--convert", "then_convert", is_flag=True,
+              help="Then convert each pushed image into a squashfs file (imgpipe convert).")
 @reporting
-def push(ctx: click.Context, images: tuple[str, ...]) -> Result:
+def push(ctx: click.Context, images: tuple[str, ...], then_convert: bool) -> Result:
     """Push what `imgpipe build` built and record the digests in imgpipe.lock.
 
     Pushes every tag, reads the manifest digest back from the registry, checks
@@ -203,7 +205,17 @@ def push(ctx: click.Context, images: tuple[str, ...]) -> Result:
     outcomes = [push_record(client, registry, record, lock_path(settings.root), progress)
                 for record in pending]
     lines = [f"{o.image}/{o.flavor}: {o.pinned}" for o in outcomes]
-    return Result({"images": outcomes, "lock": lock_path(settings.root)}, lines)
+    squashfs = {}
+    if then_convert:
+        from imgpipe.pipeline.cli_convert import convert_and_record
+
+        for outcome in outcomes:
+            done = convert_and_record(settings, outcome.image, outcome.flavor, None, False,
+                                      progress)
+            squashfs[f"{outcome.image}/{outcome.flavor}"] = str(done.path)
+            lines.append(f"{outcome.image}/{outcome.flavor}: {done.path}")
+    return Result({"images": outcomes, "lock": lock_path(settings.root),
+                   "squashfs": squashfs}, lines)
 
 
 def run_selftest(settings: Settings, image: Image, flavor: str, progress: Progress) -> str:

@@ -105,6 +105,15 @@ class BuildConfig(_Strict):
     selftest_timeout_s: int = Field(default=900, ge=10)
 
 
+class EnrootConfig(_Strict):
+    """Squashfs conversion: compression and parallelism for the whole site."""
+
+    compression: Literal["zstd", "lz4", "lzo-enroot", "none"] = "zstd"
+    zstd_level: int = Field(default=3, ge=1, le=22)
+    processors: int = Field(default=0, ge=0, description="0: every core")
+    max_connections: int = Field(default=4, ge=1, le=64)
+
+
 class Settings(_Strict):
     """Everything imgpipe.yaml can say; passed explicitly, never a global."""
 
@@ -113,6 +122,7 @@ class Settings(_Strict):
     images_dir: Path = Path("images")
     docker: DockerConfig = DockerConfig()
     build: BuildConfig = BuildConfig()
+    enroot: EnrootConfig = EnrootConfig()
     default_flavor: Literal["ngc", "cpu"] = "cpu"
     # Folder relative paths resolve against; not a key in the file.
     root: Path = Field(default=Path("."), exclude=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from imgpipe.enroot.squash import SquashOptions
+from imgpipe.enroot.storage import Storage
 from imgpipe.pipeline.config import Settings
 from imgpipe.registry.auth import (
     Credentials,
@@ -26,6 +28,18 @@ def registry_client(settings: Settings) -> RegistryClient:
     registry = settings.registry
     ca_file = settings.path(registry.ca_file) if registry.ca_file else None
     return RegistryClient(registry.url, credentials=registry_credentials(settings), ca_file=ca_file)
+
+
+def storage(settings: Settings) -> Storage:
+    return Storage(settings.path(settings.outputs.squashfs_dir).resolve())
+
+
+def squash_options(settings: Settings, image_choice: str | None = None,
+                   override: str | None = None) -> SquashOptions:
+    """Compression: the command line's, else the image's, else the site's."""
+    enroot = settings.enroot
+    compression = override or image_choice or enroot.compression
+    return SquashOptions(compression, enroot.zstd_level, enroot.processors)  # type: ignore[arg-type]
 
 
 def local_registry(settings: Settings) -> LocalRegistry:

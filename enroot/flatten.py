@@ -1,0 +1,435 @@
+"""Layers -> one flattened root filesystem, as a single tar stream.
+
+Pass 1 (``merge``) reads every layer's headers in order and builds the final
+view: OCI whiteouts applied (``.wh.NAME`` removes NAME from lower layers,
+``.wh..wh..opq`` empties a directory of its lower contents), later entries
+replacing earlier ones, device nodes and ``dev/*`` dropped.  Every entry is
+checked before it can matter; these are refused with the layer digest and the
+entry named (compare charliecloud's ``validate_members``):
+
+* absolute paths, ``..`` components, NUL bytes, names over 4095 bytes or
+  components over 255 bytes;
+* an entry whose parent, in the view so far, is a symlink (writing through
+  it could leave the root: the "absolute symlink, then write through it" attack);
+* hard links whose target leaves the root or does not exist;
+* symlinks whose relative target climbs above the root;
+* truncated or corrupt compressed streams, and anything that is not a tar.
+
+Pass 2 (``write_stream``) reads the layers again and writes only the entries
+that survived, with Enroot's permission fix (owner reads everything, owns
+directories fully), every entry owned by root, no xattrs, and Enroot's
+``/etc/rc`` files last.  Hard links whose target was replaced in a later
+layer are written as regular files holding the old bytes, as overlayfs shows
+them.  Nothing is ever written to disk here: the consumer (tar2sqfs, or
+``tar -x`` for mksquashfs) gets a stream that can only describe the root.
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+import tempfile
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, BinaryIO
+
+from imgpipe.enroot.errors import HostileLayerError
+from isal import igzip
+
+MAX_NAME = 4095
+MAX_COMPONENT = 255
+WHITEOUT = ".wh."
+OPAQUE = ".wh..wh..opq"
+Entry = tuple[int, int]  # (layer index, member index within the layer)
+
+
+@dataclass
+class Node:
+    kind: str  # dir | file | symlink | hardlink | fifo
+    entry: Entry | None  # None: an implicit directory no layer described
+    data: Entry | None = None  # for files and hard links: where the bytes are
+    link: str | None = None
+
+
+@dataclass
+class LayerCounts:
+    digest: str
+    entries: int = 0
+    whiteouts: int = 0
+    opaque: int = 0
+    devices_skipped: int = 0
+
+
+@dataclass
+class MergedView:
+    nodes: dict[str, Node]
+    children: dict[str, set[str]]
+    counts: list[LayerCounts]
+    members: list[list[tarfile.TarInfo]]
+    extra_files: dict[str, tuple[bytes, int]] = field(default_factory=dict)
+
+    def winners(self) -> set[Entry]:
+        return {n.entry for n in self.nodes.values() if n.entry is not None}
+
+
+@dataclass(frozen=True)
+class LayerSource:
+    digest: str
+    path: Path
+
+
+class ForwardReader(io.RawIOBase):
+    """A decompressed stream that seeks forward by reading and discarding in large steps.
+
+    Decompressors seek forward in 8 KiB reads; tarfile seeks over every file's
+    data, so big steps matter (a 1.2 GB image: 3.5 s -> ~2 s for the header pass).
+    """
+
+    STEP = 1 << 20
+
+    def __init__(self, raw: BinaryIO, closer: BinaryIO) -> None:
+        self.raw, self.closer, self.position = raw, closer, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.raw.read(size)
+        self.position += len(data)
+        return data
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        target = offset if whence == io.SEEK_SET else self.position + offset
+        if whence not in (io.SEEK_SET, io.SEEK_CUR) or target < self.position:
+            raise OSError("a layer stream only seeks forward")
+        while self.position < target:
+            chunk = self.raw.read(min(self.STEP, target - self.position))
+            if not chunk:
+                break  # past the end: the next read finds nothing, as tarfile expects
+            self.position += len(chunk)
+        return self.position
+
+    def close(self) -> None:
+        self.raw.close()
+        self.closer.close()
+        super().close()
+
+
+def open_layer(path: Path) -> ForwardReader:
+    """The uncompressed tar stream of a layer blob (gzip, zstd or plain, by magic)."""
+    handle = open(path, "rb")
+    magic = handle.read(4)
+    handle.seek(0)
+    if magic[:2] == b"\x1f\x8b":
+        raw: BinaryIO = igzip.IGzipFile(fileobj=handle, mode="rb")  # type: ignore[assignment]
+    elif magic == b"\x28\xb5\x2f\xfd":
+        import zstandard
+
+        raw = zstandard.ZstdDecompressor().stream_reader(handle)  # type: ignore[assignment]
+    else:
+        raw = handle
+    return ForwardReader(raw, handle)
+
+
+def read_members(layer: LayerSource) -> list[tarfile.TarInfo]:
+    """Every member header of a layer, in order (data skipped by seeking forward)."""
+    try:
+        raw = open_layer(layer.path)
+    except OSError as exc:
+        raise HostileLayerError(layer.digest, "(blob)", f"cannot read: {exc}") from exc
+    with raw:
+        try:
+            # Random-access mode on a forward-seekable decompressor: headers are parsed
+            # and file data is skipped by seeking, never copied through Python.
+            with tarfile.open(fileobj=raw, mode="r:", errorlevel=2) as tar:
+                return tar.getmembers()
+        except (EOFError, zlib.error, OSError, tarfile.ReadError) as exc:
+            why = str(exc) or type(exc).__name__
+            if isinstance(exc, tarfile.ReadError) and "empty file" in why:
+                return []  # a layer with no entries is legal
+            raise HostileLayerError(layer.digest, "(stream)",
+                                    f"truncated or corrupt layer: {why}") from exc
+
+
+def normalize(name: str, layer: str, what: str = "path") -> str:
+    """Relative, slash-joined form of a tar name; refuses anything that can leave the root."""
+    if "\x00" in name:
+        raise HostileLayerError(layer, name, f"NUL byte in the {what}")
+    if len(name.encode(errors="surrogateescape")) > MAX_NAME:
+        raise HostileLayerError(layer, name, f"{what} longer than {MAX_NAME} bytes")
+    if name.startswith("/"):
+        raise HostileLayerError(layer, name, f"absolute {what}")
+    parts = [part for part in name.split("/") if part not in ("", ".")]
+    if ".." in parts:
+        raise HostileLayerError(layer, name, f"'..' in the {what}")
+    for part in parts:
+        if len(part.encode(errors="surrogateescape")) > MAX_COMPONENT:
+            raise HostileLayerError(layer, name, f"a {what} component longer than "
+                                    f"{MAX_COMPONENT} bytes")
+    return "/".join(parts)
+
+
+def _climbs_out(link_path: str, target: str) -> bool:
+    """True when a relative symlink target climbs above the root (lexically)."""
+    if target.startswith("/"):
+        return False  # resolved inside the container's root at run time
+    depth = link_path.count("/")  # directories between the root and the link
+    for part in target.split("/"):
+        if part == "..":
+            depth -= 1
+            if depth < 0:
+                return True
+        elif part not in ("", "."):
+            depth += 1
+    return False
+
+
+class _Merger:
+    def __init__(self) -> None:
+        self.nodes: dict[str, Node] = {}
+        self.children: dict[str, set[str]] = {"": set()}
+
+    def remove(self, path: str, below_layer: int | None = None) -> None:
+        """Remove ``path`` and its subtree (only entries from layers below ``below_layer``)."""
+        node = self.nodes.get(path)
+        if node is None:
+            return
+        if node.kind == "dir":
+            for child in list(self.children.get(path, ())):
+                self.remove(f"{path}/{child}" if path else child, below_layer)
+            if below_layer is not None and self.children.get(path):
+                return  # something from this layer lives below: keep the directory
+            self.children.pop(path, None)
+        if below_layer is not None and node.entry is not None and node.entry[0] >= below_layer:
+            return
+        del self.nodes[path]
+        parent, _, base = path.rpartition("/")
+        self.children.get(parent, set()).discard(base)
+
+    def empty_dir(self, path: str, below_layer: int) -> None:
+        for child in list(self.children.get(path, ())):
+            self.remove(f"{path}/{child}" if path else child, below_layer)
+
+    def ensure_parents(self, path: str, layer: LayerSource, shown: str) -> None:
+        parts = path.split("/")[:-1]
+        prefix = ""
+        for part in parts:
+            parent = prefix
+            prefix = f"{prefix}/{part}" if prefix else part
+            node = self.nodes.get(prefix)
+            if node is not None and node.kind == "symlink":
+                raise HostileLayerError(layer.digest, shown,
+                                        f"its parent {prefix!r} is a symlink (to "
+                                        f"{node.link!r}); writing through it could leave "
+                                        "the root")
+            if node is None or node.kind != "dir":
+                if node is not None:
+                    self.remove(prefix)
+                self.nodes[prefix] = Node("dir", None)
+                self.children.setdefault(prefix, set())
+                self.children.setdefault(parent, set()).add(part)
+
+    def put(self, path: str, node: Node) -> None:
+        existing = self.nodes.get(path)
+        if existing is not None:
+            if existing.kind == "dir" and node.kind == "dir":
+                existing.entry = node.entry  # metadata from the newer layer, children kept
+                return
+            self.remove(path)
+        self.nodes[path] = node
+        if node.kind == "dir":
+            self.children.setdefault(path, set())
+        parent, _, base = path.rpartition("/")
+        self.children.setdefault(parent, set()).add(base)
+
+
+def merge(layers: list[LayerSource], rc_files: dict[str, tuple[str, int]] | None = None
+          ) -> MergedView:
+    """Pass 1: the final view of ``layers`` (bottom first), validated entry by entry."""
+    merger = _Merger()
+    counts = []
+    all_members = []
+    for number, layer in enumerate(layers):
+        count = LayerCounts(layer.digest)
+        counts.append(count)
+        members = read_members(layer)
+        all_members.append(members)
+        for index, member in enumerate(members):
+            _merge_member(merger, number, index, member, layer, count)
+    extra: dict[str, tuple[bytes, int]] = {}
+    for path, (content, mode) in (rc_files or {}).items():
+        merger.ensure_parents(path, LayerSource("(enroot files)", Path()), path)
+        merger.remove(path)
+        merger.put(path, Node("file", None))
+        extra[path] = (content.encode(), mode)
+    return MergedView(merger.nodes, merger.children, counts, all_members, extra)
+
+
+def _merge_member(merger: _Merger, number: int, index: int, member: tarfile.TarInfo,
+                  layer: LayerSource, count: LayerCounts) -> None:
+    path = normalize(member.name, layer.digest)
+    count.entries += 1
+    if not path:
+        return  # the root itself
+    if member.ischr() or member.isblk() or path.startswith("dev/"):
+        count.devices_skipped += 1
+        return
+    parent, _, base = path.rpartition("/")
+    if base.startswith(WHITEOUT):
+        merger.ensure_parents(path, layer, member.name)
+        if base == OPAQUE:
+            count.opaque += 1
+            merger.empty_dir(parent, below_layer=number)
+        else:
+            count.whiteouts += 1
+            hidden = f"{parent}/{base[len(WHITEOUT):]}" if parent else base[len(WHITEOUT):]
+            merger.remove(hidden, below_layer=number)
+        return
+    merger.ensure_parents(path, layer, member.name)
+    entry = (number, index)
+    if member.isdir():
+        merger.put(path, Node("dir", entry))
+    elif member.issym():
+        if _climbs_out(path, member.linkname):
+            raise HostileLayerError(layer.digest, member.name,
+                                    f"symlink target {member.linkname!r} climbs above the root")
+        if "\x00" in member.linkname:
+            raise HostileLayerError(layer.digest, member.name, "NUL byte in the symlink target")
+        merger.put(path, Node("symlink", entry, link=member.linkname))
+    elif member.islnk():
+        target = normalize(member.linkname, layer.digest, "hard link target")
+        source = merger.nodes.get(target)
+        if source is None or source.kind not in ("file", "hardlink"):
+            raise HostileLayerError(layer.digest, member.name,
+                                    f"hard link to {member.linkname!r}, which is not a file "
+                                    "in the image")
+        if target == path:
+            raise HostileLayerError(layer.digest, member.name, "hard link to itself")
+        merger.put(path, Node("hardlink", entry, data=source.data, link=target))
+    elif member.isfile():
+        merger.put(path, Node("file", entry, data=entry))
+    elif member.isfifo():
+        merger.put(path, Node("fifo", entry))
+    else:
+        raise HostileLayerError(layer.digest, member.name,
+                                f"unsupported entry type {member.type!r}")
+
+
+def _header(path: str, member: tarfile.TarInfo | None, kind: str, mode: int | None = None,
+            size: int = 0) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(path)
+    info.uid = info.gid = 0
+    info.uname = info.gname = "root"
+    info.mtime = member.mtime if member is not None else 0
+    base_mode = mode if mode is not None else (member.mode if member is not None else 0o755)
+    if kind == "dir":
+        info.type = tarfile.DIRTYPE
+        info.mode = base_mode | 0o700
+    else:
+        info.mode = base_mode | 0o400
+        if kind == "symlink":
+            info.type = tarfile.SYMTYPE
+            info.mode = 0o777
+        elif kind == "fifo":
+            info.type = tarfile.FIFOTYPE
+        else:
+            info.type = tarfile.REGTYPE
+            info.size = size
+    return info
+
+
+def write_stream(view: MergedView, layers: list[LayerSource], out: IO[bytes]) -> int:
+    """Pass 2: write the flattened root as one tar stream; returns the entries written."""
+    winners = view.winners()
+    by_entry = {node.entry: path for path, node in view.nodes.items() if node.entry is not None}
+    # Hard links whose data no surviving file holds need those bytes kept while streaming.
+    data_owner = {node.data: path for path, node in view.nodes.items()
+                  if node.kind == "file" and node.data is not None}
+    orphans = {node.data for node in view.nodes.values()
+               if node.kind == "hardlink" and node.data not in data_owner}
+    written = 0
+    # GNU headers: long names as ././@LongLink, no per-entry PAX records to build.
+    with tarfile.open(fileobj=out, mode="w|", format=tarfile.GNU_FORMAT) as tar:
+        for path, node in sorted(view.nodes.items()):
+            if node.entry is None and node.kind == "dir":
+                tar.addfile(_header(path, None, "dir"))
+                written += 1
+        kept: dict[Entry, tempfile.SpooledTemporaryFile] = {}
+        for number, layer in enumerate(layers):
+            with open_layer(layer.path) as source:
+                for index, member in enumerate(view.members[number]):
+                    entry = (number, index)
+                    if entry in orphans and member.isfile():
+                        source.seek(member.offset_data)
+                        spool = tempfile.SpooledTemporaryFile(max_size=64 << 20)
+                        spool.write(_read_exactly(source, member.size, layer, member))
+                        kept[entry] = spool
+                    if entry not in winners:
+                        continue
+                    path = by_entry[entry]
+                    node = view.nodes[path]
+                    written += 1
+                    if node.kind == "file":
+                        source.seek(member.offset_data)
+                        tar.addfile(_header(path, member, "file", size=member.size),
+                                    _Exact(source, member.size, layer, member))
+                    elif node.kind == "hardlink":
+                        owner = data_owner.get(node.data)
+                        if owner is not None:
+                            info = _header(path, member, "file")
+                            info.type = tarfile.LNKTYPE
+                            info.linkname = owner
+                            tar.addfile(info)
+                        else:
+                            spool = kept[node.data]  # type: ignore[index]
+                            size = spool.seek(0, io.SEEK_END)
+                            spool.seek(0)
+                            tar.addfile(_header(path, member, "file", size=size), spool)
+                            data_owner[node.data] = path  # later links point here
+                    elif node.kind == "symlink":
+                        info = _header(path, member, "symlink")
+                        info.linkname = node.link or ""
+                        tar.addfile(info)
+                    else:
+                        tar.addfile(_header(path, member, node.kind))
+        for spool in kept.values():
+            spool.close()
+        for path, (content, mode) in sorted(view.extra_files.items()):
+            tar.addfile(_header(path, None, "file", mode=mode, size=len(content)),
+                        io.BytesIO(content))
+            written += 1
+    return written
+
+
+
+class _Exact:
+    """Reads of one member's data that fail loudly when the layer ends early."""
+
+    def __init__(self, source: BinaryIO, size: int, layer: LayerSource,
+                 member: tarfile.TarInfo) -> None:
+        self.source, self.left, self.layer, self.member = source, size, layer, member
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.left if n < 0 else min(n, self.left)
+        data = _read_exactly(self.source, n, self.layer, self.member)
+        self.left -= len(data)
+        return data
+
+
+def _read_exactly(source: BinaryIO, size: int, layer: LayerSource,
+                  member: tarfile.TarInfo) -> bytes:
+    try:
+        data = source.read(size)
+    except (EOFError, zlib.error, OSError) as exc:
+        raise HostileLayerError(layer.digest, member.name,
+                                f"truncated or corrupt layer: {exc}") from exc
+    if len(data) != size:
+        raise HostileLayerError(layer.digest, member.name, "the layer ends inside this file")
+    return data

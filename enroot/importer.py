@@ -1,0 +1,79 @@
+"""A Pyxis importer on imgpipe's shared squashfs cache (plugstack: ``importer=PATH``).
+
+Pyxis (0.21+) runs ``IMPORTER get URI`` and takes the squashfs path printed on
+stdout, then ``IMPORTER release`` when the step ends.  URI comes in Enroot's
+form (``docker://[USER@][REGISTRY#]IMAGE[:TAG]``).  ``get`` converts under the
+digest's lock when needed, so the first job to need a digest converts it and
+every other node reuses the file.  ``release`` never deletes a shared cache
+entry; it only forgets this step's record, and may be called any number of
+times.  What goes to stderr is what the user sees when the import fails.
+
+Configuration comes from ``$IMGPIPE_CONFIG`` or ``/etc/imgpipe/imgpipe.yaml``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from imgpipe.pipeline.config import load_settings
+from imgpipe.pipeline.errors import ImgpipeError
+
+SITE_CONFIG = Path("/etc/imgpipe/imgpipe.yaml")
+USAGE = "usage: imgpipe-pyxis-importer get URI | release"
+
+
+def _step_record() -> Path:
+    runtime = Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp")
+    job = os.environ.get("SLURM_JOB_ID", "nojob")
+    step = os.environ.get("SLURM_STEP_ID", "nostep")
+    return runtime / f"imgpipe-importer.{os.getuid()}.{job}.{step}"
+
+
+def get(uri: str) -> Path:
+    from imgpipe.enroot.convert import convert
+    from imgpipe.enroot.squash import SquashOptions
+    from imgpipe.pipeline.wiring import registry_client, storage
+    from imgpipe.registry.reference import Reference
+
+    explicit = os.environ.get("IMGPIPE_CONFIG") or (str(SITE_CONFIG) if SITE_CONFIG.is_file()
+                                                    else None)
+    settings = load_settings(explicit)
+    ref = Reference.parse(uri, default_registry=settings.registry.address)
+    if ref.registry != settings.registry.address:
+        raise ImgpipeError(f"{uri}: only images of {settings.registry.address} are served "
+                           "from imgpipe's cache",
+                           hint="use the head-node registry's address in --container-image")
+    enroot = settings.enroot
+    conversion = convert(
+        registry_client(settings), storage(settings), ref,
+        SquashOptions(enroot.compression, enroot.zstd_level, enroot.processors),
+        say=lambda text: print(f"imgpipe: {text}", file=sys.stderr, flush=True))
+    record = _step_record()
+    record.write_text(f"{conversion.path}\n")
+    return conversion.path
+
+
+def release() -> None:
+    _step_record().unlink(missing_ok=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        if len(args) == 2 and args[0] == "get":
+            print(get(args[1]), flush=True)
+            return 0
+        if len(args) == 1 and args[0] == "release":
+            release()
+            return 0
+    except ImgpipeError as exc:
+        print(f"imgpipe: error: {exc}", file=sys.stderr)
+        return 1
+    print(USAGE, file=sys.stderr)
+    return 2
+
+
+def run() -> None:
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""Squashing a flattened tar stream into a squashfs file.
+
+Measured on the bert image (1.2 GB, 34k files, 2 cores): tar2sqfs fed one
+tar stream with zstd took 4.6 s, while mksquashfs needs the tree unpacked
+first (11 s for a Python unpack, 10 s for GNU tar) and then 5.6 s.  So the
+default path streams into tar2sqfs (squashfs-tools-ng) and nothing is
+unpacked.  Enroot's exact options (``-comp lzo -noD``: data blocks left
+uncompressed) and no compression at all exist only in mksquashfs; for those
+the same stream goes through GNU ``tar -x`` into a private tree first.
+lz4 also goes that way: squashfs-tools 4.5's unsquashfs reports tar2sqfs 1.2's lz4
+images as corrupt (its zstd images read fine), and a file the node's tools
+cannot read is worse than a slower conversion.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import subprocess
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Literal
+
+from imgpipe.enroot.errors import ConvertError
+from imgpipe.pipeline.process import last_line, require
+
+Compression = Literal["zstd", "lz4", "lzo-enroot", "none"]
+COMPRESSIONS: tuple[Compression, ...] = ("zstd", "lz4", "lzo-enroot", "none")
+ENROOT_OPTIONS = ["-comp", "lzo", "-noD"]
+# A 1 MiB pipe instead of Linux's 64 KiB: measured on the bert image, the stream into
+# tar2sqfs took 15.9 s through the default pipe and 8.7 s through this one.
+PIPE_SIZE = 1 << 20
+F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+SQUASH_TIMEOUT_S = 3 * 3600
+
+
+@dataclass(frozen=True)
+class SquashOptions:
+    compression: Compression = "zstd"
+    zstd_level: int = 3
+    processors: int = 0  # 0: every core
+
+    @property
+    def jobs(self) -> int:
+        return self.processors or (os.cpu_count() or 1)
+
+    @property
+    def tool(self) -> str:
+        return "tar2sqfs" if self.compression == "zstd" else "mksquashfs"
+
+
+def _tar2sqfs_argv(options: SquashOptions, output: Path) -> list[str]:
+    argv = [require("tar2sqfs"), "--quiet", "--no-xattr", "--force",
+            "--defaults", "uid=0,gid=0,mode=0755", "--num-jobs", str(options.jobs)]
+    argv += ["--compressor", "zstd", "--comp-extra", f"level={options.zstd_level}"]
+    return [*argv, str(output)]
+
+
+def _mksquashfs_argv(options: SquashOptions, tree: Path, output: Path) -> list[str]:
+    argv = [require("mksquashfs"), str(tree), str(output), "-all-root", "-noappend",
+            "-no-progress", "-quiet", "-processors", str(options.jobs), "-exit-on-error"]
+    if options.compression == "lzo-enroot":
+        return argv + ENROOT_OPTIONS
+    if options.compression == "lz4":
+        return argv + ["-comp", "lz4"]
+    return argv + ["-noI", "-noD", "-noF", "-noX"]
+
+
+def _run_fed(argv: list[str], feed: Callable[[IO[bytes]], object], what: str,
+             cwd: Path | None = None) -> None:
+    """Run ``argv`` while ``feed`` writes its stdin; the feeder's own error wins."""
+    stderr_lines: list[bytes] = []
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, cwd=cwd, bufsize=PIPE_SIZE)
+    assert proc.stdin is not None and proc.stderr is not None
+    with contextlib.suppress(OSError):  # a smaller pipe still works, only slower
+        fcntl.fcntl(proc.stdin.fileno(), F_SETPIPE_SZ, PIPE_SIZE)
+    reader = threading.Thread(target=lambda: stderr_lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    try:
+        feed(proc.stdin)
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass  # the consumer died: its exit status says why
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    try:
+        code = proc.wait(timeout=SQUASH_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        proc.kill()
+        raise ConvertError(f"{what} did not finish within {SQUASH_TIMEOUT_S} s") from exc
+    reader.join(5)
+    if code != 0:
+        detail = last_line(b"".join(stderr_lines).decode(errors="replace"))
+        raise ConvertError(f"{what} failed (exit {code}): {detail}")
+
+
+def squash_stream(feed: Callable[[IO[bytes]], object], output: Path, options: SquashOptions,
+                  work: Path) -> None:
+    """Squash the tar stream ``feed`` writes into ``output``."""
+    if options.tool == "tar2sqfs":
+        _run_fed(_tar2sqfs_argv(options, output), feed, "tar2sqfs")
+        return
+    tree = work / "rootfs"
+    tree.mkdir()
+    try:
+        _run_fed([require("tar"), "-x", "-p", "--numeric-owner", "-f", "-", "-C", str(tree)],
+                 feed, "tar -x")
+        result = subprocess.run(_mksquashfs_argv(options, tree, output), capture_output=True,
+                                text=True, stdin=subprocess.DEVNULL, timeout=SQUASH_TIMEOUT_S,
+                                check=False)
+        if result.returncode != 0:
+            raise ConvertError(f"mksquashfs failed (exit {result.returncode}): "
+                               f"{last_line(result.stderr or result.stdout)}")
+    finally:
+        shutil.rmtree(tree, ignore_errors=True)

@@ -1,0 +1,139 @@
+"""The shared squashfs directory: one class owns its layout and its locks.
+
+Layout under ``root`` (the cluster filesystem, shared by every node)::
+
+    <repo>+sha256-<hex>.sqsh      published squashfs files, keyed by manifest digest
+    .imgpipe/VERSION              layout version
+    .imgpipe/CACHEDIR.TAG         tells backup tools this is a cache
+    .imgpipe/blobs/sha256/<hex>   verified registry blobs, shared by all images
+    .imgpipe/locks/<hex>.lock     one lock per digest (fcntl.lockf: works over NFS)
+    .imgpipe/tmp/                 work areas of running conversions
+
+Temporary names carry host and PID, so processes on many hosts never collide;
+whoever holds a digest's lock may delete any temporary of that digest, since
+nobody else can be writing it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from imgpipe.enroot.errors import ConvertError
+from imgpipe.pipeline.files import TMP_PREFIX, atomic_write
+
+LAYOUT_VERSION = "1"
+CACHEDIR_TAG = ("Signature: 8a477f597d28d172789f06886806bc55\n"
+                "# This directory holds imgpipe's squashfs and blob cache.\n")
+
+
+def digest_hex(digest: str) -> str:
+    algorithm, _, hexpart = digest.partition(":")
+    if algorithm != "sha256" or len(hexpart) != 64:
+        raise ConvertError(f"not a sha256 digest: {digest!r}")
+    return hexpart
+
+
+class Storage:
+    """Paths and locks of one shared squashfs directory."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    @property
+    def meta(self) -> Path:
+        return self.root / ".imgpipe"
+
+    @property
+    def blobs(self) -> Path:
+        return self.meta / "blobs" / "sha256"
+
+    @property
+    def locks(self) -> Path:
+        return self.meta / "locks"
+
+    @property
+    def tmp(self) -> Path:
+        return self.meta / "tmp"
+
+    def prepare(self) -> None:
+        """Create the layout (idempotent); refuse a layout of another version."""
+        try:
+            for folder in (self.blobs, self.locks, self.tmp):
+                folder.mkdir(parents=True, exist_ok=True)
+            version_file = self.meta / "VERSION"
+            if version_file.exists():
+                found = version_file.read_text().strip()
+                if found != LAYOUT_VERSION:
+                    raise ConvertError(f"{self.root} holds a cache of layout {found}, "
+                                       f"this imgpipe uses {LAYOUT_VERSION}",
+                                       hint="use another outputs.squashfs_dir")
+            else:
+                atomic_write(version_file, LAYOUT_VERSION + "\n")
+            tag = self.meta / "CACHEDIR.TAG"
+            if not tag.exists():
+                atomic_write(tag, CACHEDIR_TAG)
+        except OSError as exc:
+            raise ConvertError(f"cannot use squashfs directory {self.root}: {exc.strerror}",
+                               hint="set outputs.squashfs_dir to a writable folder") from exc
+
+    def blob(self, digest: str) -> Path:
+        return self.blobs / digest_hex(digest)
+
+    def squashfs(self, repository: str, digest: str) -> Path:
+        return self.root / f"{repository.replace('/', '+')}+sha256-{digest_hex(digest)}.sqsh"
+
+    def find_squashfs(self, digest: str) -> Path | None:
+        """The published file for ``digest`` whatever repository it came from."""
+        matches = sorted(self.root.glob(f"*+sha256-{digest_hex(digest)}.sqsh"))
+        return matches[0] if matches else None
+
+    @contextlib.contextmanager
+    def lock(self, digest: str, on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
+        """Hold the digest's exclusive lock; ``on_wait`` hears who holds it, once."""
+        path = self.locks / f"{digest_hex(digest)}.lock"
+        with open(path, "a+") as handle:
+            try:
+                fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                handle.seek(0)
+                holder = handle.read().strip() or "another process"
+                if on_wait:
+                    on_wait(f"waiting for {holder}, which is converting {digest[:19]}")
+                fcntl.lockf(handle, fcntl.LOCK_EX)
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"{socket.gethostname()}:{os.getpid()} since {time.strftime('%c')}\n")
+            handle.flush()
+            try:
+                yield
+            finally:
+                handle.seek(0)
+                handle.truncate()
+                handle.flush()
+                fcntl.lockf(handle, fcntl.LOCK_UN)
+
+    def clean_stale(self, digest: str) -> int:
+        """Delete leftovers of crashed conversions of ``digest`` (call with its lock held)."""
+        hexpart = digest_hex(digest)
+        removed = 0
+        for leftover in [*self.root.glob(f"{TMP_PREFIX}*sha256-{hexpart}.sqsh.*"),
+                         *self.tmp.glob(f"{hexpart}.*")]:
+            if leftover.is_dir():
+                shutil.rmtree(leftover, ignore_errors=True)
+            else:
+                leftover.unlink(missing_ok=True)
+            removed += 1
+        return removed
+
+    def work_dir(self, digest: str) -> Path:
+        """A private work area for this process's conversion of ``digest``."""
+        path = self.tmp / f"{digest_hex(digest)}.{socket.gethostname()}.{os.getpid()}"
+        path.mkdir(parents=True, exist_ok=False)
+        return path

@@ -1,0 +1,118 @@
+"""`imgpipe convert` and `imgpipe node-config`: registry images as squashfs files for Enroot."""
+
+from __future__ import annotations
+
+import click
+from imgpipe.enroot.convert import Conversion, convert, file_sha256
+from imgpipe.enroot.nodeconfig import importer_path, render
+from imgpipe.pipeline.catalog import load_catalog
+from imgpipe.pipeline.cli import CONTEXT, invocation, reporting, settings_of
+from imgpipe.pipeline.config import Settings
+from imgpipe.pipeline.errors import ConfigError
+from imgpipe.pipeline.lock import lock_path, read_lock, updating_lock
+from imgpipe.pipeline.output import Result, human_bytes
+from imgpipe.pipeline.progress import Progress, choose_mode
+from imgpipe.pipeline.wiring import registry_client, squash_options, storage
+from imgpipe.registry.reference import Reference
+
+COMPRESSION = click.Choice(["zstd", "lz4", "lzo-enroot", "none"])
+
+
+def convert_and_record(settings: Settings, target: str, flavor: str, compression: str | None,
+                       with_enroot: bool, progress: Progress) -> Conversion:
+    """Convert an image of the catalog (pinned by imgpipe.lock) or any reference."""
+    catalog = load_catalog(settings) if settings.path(settings.images_dir).is_dir() else {}
+    image = catalog.get(target)
+    lock_file = lock_path(settings.root)
+    if image is not None:
+        entry = read_lock(lock_file).entry(image.name, flavor)
+        if entry is None:
+            raise ConfigError(f"{image.name}/{flavor} has not been pushed, so there is no "
+                              "digest to convert", hint=f"imgpipe push {image.name}")
+        ref = Reference.parse(entry.pinned)
+        options = squash_options(settings, image.spec.squashfs_compression, compression)
+    else:
+        ref = Reference.parse(target, default_registry=settings.registry.address)
+        options = squash_options(settings, None, compression)
+    conversion = convert(registry_client(settings), storage(settings), ref, options,
+                         say=progress.step, with_enroot=with_enroot)
+    if image is not None:
+        checksum = file_sha256(conversion.path)
+        with updating_lock(lock_file) as lock:
+            current = lock.entry(image.name, flavor)
+            if current is not None and current.digest == conversion.digest:
+                current.squashfs = str(conversion.path)
+                current.squashfs_sha256 = checksum
+    return conversion
+
+
+def _lines(conversion: Conversion) -> list[str]:
+    verb = (f"converted in {conversion.seconds:.1f} s" if conversion.converted
+            else "already converted")
+    return [f"{conversion.reference}: {verb}",
+            f"  {conversion.path} ({human_bytes(conversion.size)}, {conversion.compression})"]
+
+
+@click.command(context_settings=CONTEXT)
+@click.argument("target", metavar="IMAGE|REF")
+@click.option("--flavor", type=click.Choice(["ngc", "cpu"]), default=None,
+              help="For an IMAGE of the catalog: which flavor's pushed digest.")
+@click.option("--compression", type=COMPRESSION, default=None,
+              help="zstd (default, level 3), lz4, lzo-enroot (Enroot's -comp lzo -noD, for "
+              "kernels older than 4.14) or none.  Default: image.yaml, then imgpipe.yaml.")
+@click.option("--with-enroot", is_flag=True,
+              help="Let `enroot import` do the conversion, under the same cache and lock.")
+@reporting
+def convert_command(ctx: click.Context, target: str, flavor: str | None,
+                    compression: str | None, with_enroot: bool) -> Result:
+    """Convert an image into a squashfs file in outputs.squashfs_dir, once per digest.
+
+    IMAGE is a catalog name (its digest is taken from imgpipe.lock, and the lock
+    records the squashfs path and checksum); REF is any reference in the
+    registry.  A digest already converted returns at once; concurrent runs,
+    on one host or many sharing the directory, convert it once.
+
+    \b
+    Examples:
+      imgpipe convert bert
+      imgpipe convert 127.0.0.1:5000/imgpipe/bert:latest-cpu --compression lz4
+    """
+    settings = settings_of(ctx)
+    progress = Progress(choose_mode(invocation(ctx).json))
+    conversion = convert_and_record(settings, target, flavor or settings.default_flavor,
+                                    compression, with_enroot, progress)
+    return Result({"reference": conversion.reference, "digest": conversion.digest,
+                   "squashfs": conversion.path, "converted": conversion.converted,
+                   "seconds": round(conversion.seconds, 3), "size": conversion.size,
+                   "compression": conversion.compression,
+                   "fetched_bytes": conversion.fetched_bytes, "entries": conversion.entries,
+                   "layers": conversion.layers}, _lines(conversion))
+
+
+convert_command.name = "convert"
+
+
+@click.command(name="node-config", context_settings=CONTEXT)
+@reporting
+def node_config(ctx: click.Context) -> Result:
+    """Print the enroot.conf and plugstack.conf lines to install on compute nodes.
+
+    They let nodes pull from this registry (plain HTTP or a TLS CA), read
+    credentials, and use imgpipe's importer so Pyxis takes squashfs files from
+    the shared cache.
+
+    \b
+    Example:
+      imgpipe node-config > node-setup.txt
+    """
+    rendered = render(settings_of(ctx), importer_path())
+    text = rendered.enroot_conf + "\n" + rendered.plugstack_conf
+    if rendered.credentials:
+        text += "\n" + rendered.credentials
+    return Result({"enroot_conf": rendered.enroot_conf,
+                   "plugstack_conf": rendered.plugstack_conf,
+                   "credentials": rendered.credentials,
+                   "importer": rendered.importer_path}, text.rstrip("\n").splitlines())
+
+
+COMMANDS = [convert_command, node_config]
