@@ -1,0 +1,185 @@
+"""Hostile and broken layers: each refused with a clear error, nothing written outside.
+
+Every case is pushed to the real registry as an image and converted through the
+CLI, so the whole path (fetch, verify, merge, squash) meets it.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+import re
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from tests import services
+from tests.conftest import CliRun
+
+pytestmark = pytest.mark.e2e
+
+
+def entry(name: str, kind: bytes = tarfile.REGTYPE, data: bytes = b"pwned\n",
+          link: str = "", pax: dict[str, str] | None = None) -> tuple:
+    return (name, kind, data, link, pax)
+
+
+def layer(*entries: tuple, compress: bool = True) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, kind, data, link, pax in entries:
+            info = tarfile.TarInfo(name)
+            info.type = kind
+            info.linkname = link
+            info.mode = 0o755 if kind == tarfile.DIRTYPE else 0o644
+            if pax:
+                info.pax_headers = pax
+            if kind == tarfile.REGTYPE:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+            else:
+                tar.addfile(info)
+    raw = buffer.getvalue()
+    return gzip.compress(raw) if compress else raw
+
+
+def raw_pax_layer(name_bytes: bytes) -> bytes:
+    """A layer whose PAX path record holds bytes tarfile would never write itself."""
+    record_body = b" path=" + name_bytes + b"\n"
+    length = len(record_body)
+    length += len(str(length + len(str(length))))
+    record = str(length).encode() + record_body
+    header = tarfile.TarInfo("././@PaxHeader")
+    header.type = tarfile.XHDTYPE
+    header.size = len(record)
+    buffer = io.BytesIO()
+    buffer.write(header.tobuf(tarfile.USTAR_FORMAT))
+    buffer.write(record + b"\0" * (-len(record) % 512))
+    body = tarfile.TarInfo("placeholder")
+    body.size = 6
+    buffer.write(body.tobuf(tarfile.USTAR_FORMAT))
+    buffer.write(b"pwned\n" + b"\0" * 506 + b"\0" * 1024)
+    return gzip.compress(buffer.getvalue())
+
+
+BASE = layer(entry("etc/", tarfile.DIRTYPE), entry("etc/passwd", data=b"root:x:0:0\n"))
+
+# name -> (layers bottom first, expected words in the error)
+CASES: dict[str, tuple[list[bytes], str]] = {
+    "dotdot path": ([layer(entry("../escape"))], "'..' in the path"),
+    "nested dotdot": ([layer(entry("a/b/../../../escape"))], "'..' in the path"),
+    "absolute path": ([layer(entry("/etc/pwned"))], "absolute path"),
+    "absolute symlink then write through it": (
+        [layer(entry("sneaky", tarfile.SYMTYPE, link="/tmp")),
+         layer(entry("sneaky/pwned"))], "its parent 'sneaky' is a symlink"),
+    "symlink and write through it in one layer": (
+        [layer(entry("root-link", tarfile.SYMTYPE, link="/"), entry("root-link/etc/pwned"))],
+        "its parent 'root-link' is a symlink"),
+    "relative symlink to a directory then write": (
+        [BASE, layer(entry("lib", tarfile.SYMTYPE, link="etc"), entry("lib/pwned"))],
+        "its parent 'lib' is a symlink"),
+    "symlink climbing above the root": (
+        [layer(entry("usr/", tarfile.DIRTYPE),
+               entry("usr/up", tarfile.SYMTYPE, link="../../../etc/shadow"))],
+        "climbs above the root"),
+    "hard link outside with dotdot": (
+        [layer(entry("evil", tarfile.LNKTYPE, link="../../etc/passwd"))],
+        "'..' in the hard link target"),
+    "hard link to an absolute path": (
+        [layer(entry("evil", tarfile.LNKTYPE, link="/etc/passwd"))],
+        "absolute hard link target"),
+    "hard link to a missing file": (
+        [layer(entry("evil", tarfile.LNKTYPE, link="does/not/exist"))],
+        "which is not a file in the image"),
+    "hard link to a directory": (
+        [BASE, layer(entry("evil", tarfile.LNKTYPE, link="etc"))],
+        "which is not a file in the image"),
+    "whiteout climbing out": ([layer(entry("../.wh.passwd"))], "'..' in the path"),
+    "huge name": ([layer(entry("a" * 100 + "/" + "b" * 4100))], "longer than 4095 bytes"),
+    "huge component": ([layer(entry("d/" + "c" * 300))], "component longer than 255 bytes"),
+    "NUL in a name": ([raw_pax_layer(b"etc/pa\x00sswd")], "NUL byte"),
+    "truncated gzip": ([BASE[: len(BASE) // 2]], "truncated or corrupt layer"),
+    "not a tar at all": ([gzip.compress(os.urandom(4096))], "truncated or corrupt layer"),
+    "file data cut short": ([gzip.compress(layer(entry("big", data=b"x" * 20000),
+                                                 compress=False)[:4096])],
+                            "truncated or corrupt layer"),
+}
+
+
+@pytest.fixture
+def jail(tmp_path: Path, registry_server, capsys) -> tuple[CliRun, Path]:
+    """A project whose squashfs directory is its only place to write; `outside` must stay empty."""
+    work = tmp_path / "project"
+    work.mkdir()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    cli = CliRun(work, capsys)
+    cli.write_config({"registry": {"port": registry_server.port},
+                      "outputs": {"squashfs_dir": str(work / "sqsh")}})
+    return cli, outside
+
+
+def assert_nothing_escaped(tmp_path: Path, outside: Path) -> None:
+    assert list(outside.iterdir()) == []
+    for root, dirs, files in os.walk(tmp_path):
+        assert "pwned" not in files and "escape" not in files, root
+    assert not Path("/etc/pwned").exists() and not Path("/tmp/pwned").exists()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_hostile_layer_is_refused(case: str, jail, registry_server, tmp_path) -> None:
+    cli, outside = jail
+    layers, expected = CASES[case]
+    repo = "hostile/" + re.sub(r"[^a-z0-9]+", "-", case.lower()).strip("-")
+    services.push_image(services.plain_session(), registry_server.url, repo, "1", layers)
+    code, out, err = cli("convert", f"{registry_server.address}/{repo}:1")
+    assert code == 1, (out, err)
+    [line] = [text for text in err.splitlines() if text.startswith("error:")]
+    assert line.startswith("error: layer sha256:") and expected in line, line
+    assert "Traceback" not in err
+    assert not list((cli.folder / "sqsh").glob("*.sqsh"))
+    assert not list((cli.folder / "sqsh").glob(".tmp-*"))
+    assert_nothing_escaped(tmp_path, outside)
+
+
+def test_blob_with_the_wrong_digest_never_enters_the_cache(jail, registry_server,
+                                                           tmp_path) -> None:
+    cli, outside = jail
+    good = layer(entry("ok", data=b"fine\n"))
+    services.push_image(services.plain_session(), registry_server.url, "hostile/digest", "1",
+                        [good])
+    digest = services.digest_of(good).split(":")[1]
+    on_disk = (registry_server.data / "docker/registry/v2/blobs/sha256" / digest[:2] / digest
+               / "data")
+    on_disk.write_bytes(layer(entry("ok", data=b"evil\n")))
+    code, _, err = cli("convert", f"{registry_server.address}/hostile/digest:1")
+    assert code == 1
+    assert f"blob sha256:{digest} of hostile/digest failed verification" in err
+    assert not (cli.folder / "sqsh/.imgpipe/blobs/sha256" / digest).exists()
+    assert_nothing_escaped(tmp_path, outside)
+
+
+def test_device_nodes_and_dev_entries_are_dropped_not_fatal(jail, registry_server) -> None:
+    import subprocess
+
+    cli, _ = jail
+    layers = [layer(entry("dev/", tarfile.DIRTYPE), entry("dev/null", tarfile.CHRTYPE),
+                    entry("disk", tarfile.BLKTYPE), entry("dev/shm/x"), entry("ok"))]
+    services.push_image(services.plain_session(), registry_server.url, "hostile/devices", "1",
+                        layers)
+    code, out, err = cli("convert", f"{registry_server.address}/hostile/devices:1", "--json")
+    assert code == 0, err
+    data = json.loads(out)["data"]
+    assert data["layers"][0]["devices_skipped"] == 3
+    listing = subprocess.run(["unsquashfs", "-l", "-d", "R", data["squashfs"]],
+                             capture_output=True, text=True, check=True).stdout.split()
+    assert "R/dev" in listing and "R/ok" in listing
+    assert not [p for p in listing if p.startswith("R/dev/") or p == "R/disk"]
+
+
+def test_at_least_fifteen_hostile_cases() -> None:
+    assert len(CASES) + 1 >= 15
+
