@@ -20,9 +20,9 @@ from pathlib import Path
 
 from imgpipe.enroot.errors import ConvertError
 from imgpipe.enroot.fetch import fetch_image
-from imgpipe.enroot.flatten import LayerCounts, LayerSource, merge, write_stream
+from imgpipe.enroot.flatten import LayerCounts, LayerSource, merge, write_stream, write_tree
 from imgpipe.enroot.rcfiles import rc_files
-from imgpipe.enroot.squash import SquashOptions, squash_stream
+from imgpipe.enroot.squash import SquashOptions, squash_stream, squash_tree
 from imgpipe.enroot.storage import Storage
 from imgpipe.pipeline.files import temporary_name
 from imgpipe.registry.client import RegistryClient
@@ -67,7 +67,6 @@ def resolve_digest(client: RegistryClient, ref: Reference) -> str:
 def convert(client: RegistryClient, storage: Storage, ref: Reference,
             options: SquashOptions | None = None,
             say: Callable[[str], None] = lambda _: None,
-            squash: Callable[..., None] | None = None,
             with_enroot: bool = False) -> Conversion:
     """Make sure the squashfs of ``ref`` exists and return where it is.
 
@@ -100,7 +99,7 @@ def convert(client: RegistryClient, storage: Storage, ref: Reference,
         work = storage.work_dir(digest)
         try:
             return _convert_locked(client, storage, ref, digest, final, options, say, work,
-                                   started, squash or squash_stream)
+                                   started)
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
@@ -121,8 +120,8 @@ def _convert_with_enroot(client, ref, digest, final, options, say, started) -> C
                       final.stat().st_size, options.compression)
 
 
-def _convert_locked(client, storage, ref, digest, final, options, say, work, started,
-                    squash) -> Conversion:
+def _convert_locked(client, storage, ref, digest, final, options, say, work,
+                    started) -> Conversion:
     fetched_total = [0]
 
     def count(n: int) -> None:
@@ -137,8 +136,12 @@ def _convert_locked(client, storage, ref, digest, final, options, say, work, sta
     tmp = temporary_name(final)
     say(f"squash with {options.compression} ({options.tool})")
     try:
-        squash(lambda out: written.__setitem__(0, write_stream(view, layers, out)), tmp,
-               options, work)
+        if options.tool == "tar2sqfs":
+            squash_stream(lambda out: written.__setitem__(0, write_stream(view, layers, out)),
+                          tmp, options)
+        else:
+            squash_tree(lambda tree: written.__setitem__(0, write_tree(view, layers, tree)),
+                        tmp, options, work)
         with open(tmp, "rb") as handle:
             os.fsync(handle.fileno())
         os.chmod(tmp, 0o644)

@@ -27,20 +27,25 @@ them.  Nothing is ever written to disk here: the consumer (tar2sqfs, or
 from __future__ import annotations
 
 import io
+import os
+import shutil
 import tarfile
 import tempfile
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, BinaryIO
 
-from imgpipe.enroot.errors import HostileLayerError
 from isal import igzip
+
+from imgpipe.enroot.errors import HostileLayerError
 
 MAX_NAME = 4095
 MAX_COMPONENT = 255
 WHITEOUT = ".wh."
 OPAQUE = ".wh..wh..opq"
+COPY_CHUNK = 1 << 20
 Entry = tuple[int, int]  # (layer index, member index within the layer)
 
 
@@ -322,31 +327,30 @@ def _merge_member(merger: _Merger, number: int, index: int, member: tarfile.TarI
                                 f"unsupported entry type {member.type!r}")
 
 
-def _header(path: str, member: tarfile.TarInfo | None, kind: str, mode: int | None = None,
-            size: int = 0) -> tarfile.TarInfo:
-    info = tarfile.TarInfo(path)
-    info.uid = info.gid = 0
-    info.uname = info.gname = "root"
-    info.mtime = member.mtime if member is not None else 0
-    base_mode = mode if mode is not None else (member.mode if member is not None else 0o755)
+@dataclass(frozen=True)
+class Item:
+    """One entry of the flattened root, in an order where parents come before children."""
+
+    path: str
+    kind: str  # dir | file | hardlink | symlink | fifo
+    mode: int
+    mtime: int
+    size: int = 0
+    data: BinaryIO | None = None  # for files: exactly ``size`` bytes to read
+    link: str | None = None  # symlink target, or the path a hard link shares bytes with
+
+
+def _fixed_mode(kind: str, mode: int) -> int:
+    """Enroot's permission fix: the owner reads everything and owns directories fully."""
     if kind == "dir":
-        info.type = tarfile.DIRTYPE
-        info.mode = base_mode | 0o700
-    else:
-        info.mode = base_mode | 0o400
-        if kind == "symlink":
-            info.type = tarfile.SYMTYPE
-            info.mode = 0o777
-        elif kind == "fifo":
-            info.type = tarfile.FIFOTYPE
-        else:
-            info.type = tarfile.REGTYPE
-            info.size = size
-    return info
+        return (mode & 0o7777) | 0o700
+    if kind == "symlink":
+        return 0o777
+    return (mode & 0o7777) | 0o400
 
 
-def write_stream(view: MergedView, layers: list[LayerSource], out: IO[bytes]) -> int:
-    """Pass 2: write the flattened root as one tar stream; returns the entries written."""
+def flattened(view: MergedView, layers: list[LayerSource]) -> Iterator[Item]:
+    """Pass 2: every surviving entry, with its bytes, in stream order."""
     winners = view.winners()
     by_entry = {node.entry: path for path, node in view.nodes.items() if node.entry is not None}
     # Hard links whose data no surviving file holds need those bytes kept while streaming.
@@ -354,14 +358,11 @@ def write_stream(view: MergedView, layers: list[LayerSource], out: IO[bytes]) ->
                   if node.kind == "file" and node.data is not None}
     orphans = {node.data for node in view.nodes.values()
                if node.kind == "hardlink" and node.data not in data_owner}
-    written = 0
-    # GNU headers: long names as ././@LongLink, no per-entry PAX records to build.
-    with tarfile.open(fileobj=out, mode="w|", format=tarfile.GNU_FORMAT) as tar:
-        for path, node in sorted(view.nodes.items()):
-            if node.entry is None and node.kind == "dir":
-                tar.addfile(_header(path, None, "dir"))
-                written += 1
-        kept: dict[Entry, tempfile.SpooledTemporaryFile] = {}
+    for path, node in sorted(view.nodes.items()):
+        if node.entry is None and node.kind == "dir":
+            yield Item(path, "dir", 0o755, 0)
+    kept: dict[Entry, tempfile.SpooledTemporaryFile] = {}
+    try:
         for number, layer in enumerate(layers):
             with open_layer(layer.path) as source:
                 for index, member in enumerate(view.members[number]):
@@ -375,38 +376,97 @@ def write_stream(view: MergedView, layers: list[LayerSource], out: IO[bytes]) ->
                         continue
                     path = by_entry[entry]
                     node = view.nodes[path]
-                    written += 1
+                    mode = _fixed_mode(node.kind, member.mode)
                     if node.kind == "file":
                         source.seek(member.offset_data)
-                        tar.addfile(_header(path, member, "file", size=member.size),
-                                    _Exact(source, member.size, layer, member))
+                        yield Item(path, "file", mode, int(member.mtime), member.size,
+                                   _Exact(source, member.size, layer, member))
                     elif node.kind == "hardlink":
                         owner = data_owner.get(node.data)
                         if owner is not None:
-                            info = _header(path, member, "file")
-                            info.type = tarfile.LNKTYPE
-                            info.linkname = owner
-                            tar.addfile(info)
+                            yield Item(path, "hardlink", mode, int(member.mtime), link=owner)
                         else:
                             spool = kept[node.data]  # type: ignore[index]
                             size = spool.seek(0, io.SEEK_END)
                             spool.seek(0)
-                            tar.addfile(_header(path, member, "file", size=size), spool)
+                            yield Item(path, "file", mode, int(member.mtime), size, spool)
                             data_owner[node.data] = path  # later links point here
-                    elif node.kind == "symlink":
-                        info = _header(path, member, "symlink")
-                        info.linkname = node.link or ""
-                        tar.addfile(info)
                     else:
-                        tar.addfile(_header(path, member, node.kind))
+                        yield Item(path, node.kind, mode, int(member.mtime), link=node.link)
+    finally:
         for spool in kept.values():
             spool.close()
-        for path, (content, mode) in sorted(view.extra_files.items()):
-            tar.addfile(_header(path, None, "file", mode=mode, size=len(content)),
-                        io.BytesIO(content))
+    for path, (content, mode) in sorted(view.extra_files.items()):
+        yield Item(path, "file", mode, 0, len(content), io.BytesIO(content))
+
+
+def write_stream(view: MergedView, layers: list[LayerSource], out: IO[bytes]) -> int:
+    """The flattened root as one tar stream (for tar2sqfs); returns the entries written."""
+    written = 0
+    # GNU headers: long names as ././@LongLink, no per-entry PAX records to build.
+    with tarfile.open(fileobj=out, mode="w|", format=tarfile.GNU_FORMAT) as tar:
+        for item in flattened(view, layers):
+            info = tarfile.TarInfo(item.path)
+            info.uid = info.gid = 0
+            info.uname = info.gname = "root"
+            info.mode = item.mode
+            info.mtime = item.mtime
+            info.type = {"dir": tarfile.DIRTYPE, "file": tarfile.REGTYPE,
+                         "hardlink": tarfile.LNKTYPE, "symlink": tarfile.SYMTYPE,
+                         "fifo": tarfile.FIFOTYPE}[item.kind]
+            if item.kind == "file":
+                info.size = item.size
+            if item.link is not None:
+                info.linkname = item.link
+            tar.addfile(info, item.data)
             written += 1
     return written
 
+
+def write_tree(view: MergedView, layers: list[LayerSource], root: Path) -> int:
+    """The flattened root unpacked under ``root`` (for mksquashfs); returns the entries written.
+
+    Only paths of the validated view are created, never through a symlink
+    (``O_NOFOLLOW``, and the view has no symlinked parents), so nothing can
+    land outside ``root``.  Directory modes are applied last.
+    """
+    made: set[str] = {""}
+    dirs: list[tuple[str, int, int]] = []
+    written = 0
+
+    def parent_ready(path: str) -> None:
+        parent = path.rpartition("/")[0]
+        if parent not in made:
+            os.makedirs(root / parent, exist_ok=True)
+            made.add(parent)
+
+    for item in flattened(view, layers):
+        target = root / item.path
+        parent_ready(item.path)
+        if item.kind == "dir":
+            if item.path not in made:
+                os.makedirs(target, exist_ok=True)
+                made.add(item.path)
+            dirs.append((item.path, item.mode, item.mtime))
+        elif item.kind == "file":
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as out:
+                assert item.data is not None
+                shutil.copyfileobj(item.data, out, COPY_CHUNK)
+            os.chmod(target, item.mode)
+            os.utime(target, (item.mtime, item.mtime))
+        elif item.kind == "hardlink":
+            os.link(root / (item.link or ""), target, follow_symlinks=False)
+        elif item.kind == "symlink":
+            os.symlink(item.link or "", target)
+            os.utime(target, (item.mtime, item.mtime), follow_symlinks=False)
+        elif item.kind == "fifo":
+            os.mkfifo(target, item.mode)
+        written += 1
+    for path, mode, mtime in reversed(dirs):  # children first: parents keep their times
+        os.chmod(root / path, mode)
+        os.utime(root / path, (mtime, mtime))
+    return written
 
 
 class _Exact:

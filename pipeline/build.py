@@ -14,11 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from python_on_whales import DockerClient
+from python_on_whales.exceptions import DockerException
+
 from imgpipe.pipeline.engine import BuildClient
 from imgpipe.pipeline.errors import CommandError
 from imgpipe.pipeline.process import last_error_line, stream
-from python_on_whales import DockerClient
-from python_on_whales.exceptions import DockerException
 
 
 @dataclass(frozen=True)

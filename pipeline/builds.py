@@ -15,9 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import docker
-import docker.errors
-from imgpipe.pipeline.build import BuildRequest, run_build
+from pydantic import BaseModel
+
 from imgpipe.pipeline.catalog import Image
 from imgpipe.pipeline.config import Settings
 from imgpipe.pipeline.context import stage_context
@@ -31,7 +30,6 @@ from imgpipe.pipeline.progress import Progress
 from imgpipe.pipeline.secrets import secret_files
 from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.reference import Reference
-from pydantic import BaseModel
 
 LABEL_PREFIX = "org.opencontainers.image"
 HASH_LABEL = "org.imgpipe.input-hash"
@@ -128,6 +126,8 @@ class BaseResolver:
                     return digest
             except ImgpipeError:
                 pass
+        import docker  # the SDK is slow to import; only builds need it
+
         try:
             if self._engine is None:
                 self._engine = docker.from_env(timeout=30)
@@ -159,6 +159,8 @@ def build_item(settings: Settings, client: BuildClient, item: PlanItem,
                revision: Revision | None, progress: Progress, *, wheels_dir: Path | None,
                secret_overrides: dict[str, Path], cache: bool = True) -> BuildOutcome:
     """Build one planned image and record it for push."""
+    from imgpipe.pipeline.build import BuildRequest, run_build  # python-on-whales: slow import
+
     if item.base_digest is None:
         base = item.build_args["BASE_IMAGE"]
         raise ConfigError(

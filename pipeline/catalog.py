@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
 from imgpipe.pipeline.config import Settings, format_validation_error
 from imgpipe.pipeline.errors import ConfigError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 IMAGE_FILE = "image.yaml"
 SecretName = Literal["ca_bundle", "pip_config", "ngc_api_key"]

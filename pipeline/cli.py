@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import click
+
 from imgpipe.pipeline.config import Settings, load_settings
 from imgpipe.pipeline.errors import ImgpipeError
 from imgpipe.pipeline.output import Invocation, Result, emit, emit_error

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+
 from imgpipe.pipeline.builds import BaseResolver, build_item, make_plan, read_records, skipped
 from imgpipe.pipeline.catalog import Image, load_catalog, select
 from imgpipe.pipeline.cli import CONTEXT, invocation, reporting, settings_of

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import click
+
 from imgpipe.enroot.convert import Conversion, convert, file_sha256
 from imgpipe.enroot.nodeconfig import importer_path, render
 from imgpipe.pipeline.catalog import load_catalog

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import click
+
 from imgpipe.pipeline.cli import CONTEXT, reporting, settings_of
 from imgpipe.pipeline.errors import ImgpipeError
 from imgpipe.pipeline.output import Result, human_bytes

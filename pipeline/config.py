@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from imgpipe.pipeline.errors import ConfigError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from imgpipe.pipeline.errors import ConfigError
 
 CONFIG_NAME = "imgpipe.yaml"
 

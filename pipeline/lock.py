@@ -14,9 +14,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, ValidationError
+
 from imgpipe.pipeline.errors import ConfigError
 from imgpipe.pipeline.files import atomic_write
-from pydantic import BaseModel, ConfigDict, ValidationError
 
 LOCK_NAME = "imgpipe.lock"
 LOCK_VERSION = 1

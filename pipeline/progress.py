@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Literal, TextIO
+from typing import TYPE_CHECKING, Any, Literal, TextIO
 
-from rich.console import Console
-from rich.status import Status
+if TYPE_CHECKING:
+    from rich.status import Status
 
 Mode = Literal["tty", "plain", "quiet"]
 
@@ -31,7 +31,11 @@ class Progress:
     def __init__(self, mode: Mode, stream: TextIO | None = None) -> None:
         self.mode = mode
         self.stream = stream or sys.stderr
-        self._console = Console(file=self.stream) if mode == "tty" else None
+        self._console: Any = None
+        if mode == "tty":
+            from rich.console import Console  # rich is slow to import: terminals only
+
+            self._console = Console(file=self.stream)
         self._status: Status | None = None
         self._last_draw = 0.0
 

@@ -12,8 +12,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import docker
-import docker.errors
 from imgpipe.pipeline.builds import BuildRecord
 from imgpipe.pipeline.engine import BuildClient
 from imgpipe.pipeline.errors import ImgpipeError
@@ -40,6 +38,8 @@ class PushOutcome:
 
 
 def ensure_local(record: BuildRecord) -> None:
+    import docker  # the SDK is slow to import; only push needs it
+
     try:
         docker.from_env(timeout=30).images.get(record.image_id)
     except docker.errors.ImageNotFound:

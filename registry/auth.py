@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import requests
-from imgpipe.registry.errors import AuthError
 from requests.utils import parse_dict_header
+
+from imgpipe.registry.errors import AuthError
 
 log = logging.getLogger(__name__)
 

@@ -19,12 +19,13 @@ from typing import Any
 from urllib.parse import urljoin
 
 import requests
+from requests.adapters import HTTPAdapter
+from urllib3.util.retry import Retry
+
 from imgpipe.pipeline.files import atomic_path
 from imgpipe.registry.auth import Authenticator, Credentials
 from imgpipe.registry.errors import AuthError, DigestMismatchError, RegistryError
 from imgpipe.registry.reference import Reference
-from requests.adapters import HTTPAdapter
-from urllib3.util.retry import Retry
 
 log = logging.getLogger(__name__)
 

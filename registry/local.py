@@ -28,9 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import docker
-import docker.errors
 import yaml
+
 from imgpipe.pipeline.config import RegistryConfig, Settings
 from imgpipe.pipeline.errors import ImgpipeError
 from imgpipe.pipeline.files import atomic_write
@@ -148,6 +147,8 @@ class LocalRegistry:
         return self._docker or None
 
     def _container(self) -> Any | None:
+        import docker.errors
+
         engine = self._engine()
         if engine is None:
             return None
@@ -204,6 +205,8 @@ class LocalRegistry:
         )
 
     def _image_available(self) -> bool:
+        import docker.errors
+
         engine = self._engine()
         if engine is None:
             return False
@@ -309,6 +312,7 @@ class LocalRegistry:
         self._proc = proc
 
     def _start_container(self) -> None:
+        import docker.errors
         engine = self._engine()
         atomic_write(self.config_file, self.render_config("container"), mode=0o644)
         volumes = {
@@ -436,6 +440,7 @@ class LocalRegistry:
                                      hint=f"see {self.log_file}")
 
     def _gc_container(self, delete_untagged: bool) -> None:
+        import docker.errors
         atomic_write(self.config_file, self.render_config("container"), mode=0o644)
         command = ["garbage-collect", CONTAINER_CONFIG]
         if delete_untagged:
@@ -467,6 +472,8 @@ def _binary() -> str | None:
 
 def _docker_from_env() -> Any:
     """A docker SDK client when an engine answers, else False (no engine)."""
+    import docker  # slow to import: only the registry's container mode needs it
+
     try:
         client = docker.from_env(timeout=30)
         client.ping()

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from imgpipe.pipeline.cli import main
 
+from imgpipe.pipeline.cli import main
 from tests import services
 
 

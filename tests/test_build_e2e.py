@@ -13,8 +13,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from imgpipe.registry.client import RegistryClient
 
+from imgpipe.registry.client import RegistryClient
 from tests import services
 from tests.conftest import CliRun
 

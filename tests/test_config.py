@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from imgpipe.pipeline.config import load_settings
 from imgpipe.pipeline.errors import ConfigError
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from imgpipe.pipeline.errors import CommandError, ToolMissingError
 from imgpipe.pipeline.files import atomic_path, atomic_write
 from imgpipe.pipeline.process import run

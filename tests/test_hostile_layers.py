@@ -124,7 +124,7 @@ def jail(tmp_path: Path, registry_server, capsys) -> tuple[CliRun, Path]:
 
 def assert_nothing_escaped(tmp_path: Path, outside: Path) -> None:
     assert list(outside.iterdir()) == []
-    for root, dirs, files in os.walk(tmp_path):
+    for root, _dirs, files in os.walk(tmp_path):
         assert "pwned" not in files and "escape" not in files, root
     assert not Path("/etc/pwned").exists() and not Path("/tmp/pwned").exists()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from imgpipe.registry.errors import ReferenceFormatError
 from imgpipe.registry.reference import Reference
 

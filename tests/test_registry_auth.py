@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import trustme
+
 from imgpipe.registry.auth import (
     Credentials,
     credentials_from_docker_config,
@@ -16,7 +17,6 @@ from imgpipe.registry.auth import (
 )
 from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.errors import AuthError
-
 from tests import services
 
 pytestmark = pytest.mark.e2e

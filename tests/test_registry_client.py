@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from imgpipe.registry.client import (
     DOCKER_LIST,
     OCI_INDEX,
@@ -14,7 +15,6 @@ from imgpipe.registry.client import (
     select_platform,
 )
 from imgpipe.registry.errors import DigestMismatchError, RegistryError
-
 from tests import services
 
 pytestmark = pytest.mark.e2e
