@@ -96,12 +96,7 @@ def convert(client: RegistryClient, storage: Storage, ref: Reference,
             say(f"removed {removed} leftover(s) of an interrupted conversion")
         if with_enroot:
             return _convert_with_enroot(client, ref, digest, final, options, say, started)
-        work = storage.work_dir(digest)
-        try:
-            return _convert_locked(client, storage, ref, digest, final, options, say, work,
-                                   started)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+        return _convert_locked(client, storage, ref, digest, final, options, say, started)
 
 
 def _convert_with_enroot(client, ref, digest, final, options, say, started) -> Conversion:
@@ -120,7 +115,7 @@ def _convert_with_enroot(client, ref, digest, final, options, say, started) -> C
                       final.stat().st_size, options.compression)
 
 
-def _convert_locked(client, storage, ref, digest, final, options, say, work,
+def _convert_locked(client, storage, ref, digest, final, options, say,
                     started) -> Conversion:
     fetched_total = [0]
 
@@ -132,6 +127,17 @@ def _convert_locked(client, storage, ref, digest, final, options, say, work,
     layers = [LayerSource(layer.digest, layer.path) for layer in image.layers]
     say(f"merge {len(layers)} layer(s)")
     view = merge(layers, rc_files(image.config))
+    tree_bytes = view.file_bytes if options.tool == "mksquashfs" else 0
+    work = storage.work_dir(digest, tree_bytes)
+    try:
+        return _squash_and_publish(ref, digest, final, options, say, started, image, layers,
+                                   view, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _squash_and_publish(ref, digest, final, options, say, started, image, layers, view,
+                        work) -> Conversion:
     written = [0]
     tmp = temporary_name(final)
     say(f"squash with {options.compression} ({options.tool})")

@@ -77,6 +77,15 @@ class MergedView:
     def winners(self) -> set[Entry]:
         return {n.entry for n in self.nodes.values() if n.entry is not None}
 
+    @property
+    def file_bytes(self) -> int:
+        """Bytes of regular-file data in the final view (what an unpacked tree holds)."""
+        total = sum(len(content) for content, _ in self.extra_files.values())
+        for node in self.nodes.values():
+            if node.kind == "file" and node.entry is not None:
+                total += self.members[node.entry[0]][node.entry[1]].size
+        return total
+
 
 @dataclass(frozen=True)
 class LayerSource:

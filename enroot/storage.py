@@ -29,6 +29,8 @@ from imgpipe.enroot.errors import ConvertError
 from imgpipe.pipeline.files import TMP_PREFIX, atomic_write
 
 LAYOUT_VERSION = "1"
+RAM_DIR = Path("/dev/shm")
+RAM_RESERVE = 1 << 30  # leave this much of /dev/shm to everyone else
 CACHEDIR_TAG = ("Signature: 8a477f597d28d172789f06886806bc55\n"
                 "# This directory holds imgpipe's squashfs and blob cache.\n")
 
@@ -124,7 +126,9 @@ class Storage:
         hexpart = digest_hex(digest)
         removed = 0
         for leftover in [*self.root.glob(f"{TMP_PREFIX}*sha256-{hexpart}.sqsh.*"),
-                         *self.tmp.glob(f"{hexpart}.*")]:
+                         *self.tmp.glob(f"{hexpart}.*"),
+                         *(RAM_DIR.glob(f"imgpipe-{hexpart}.{socket.gethostname()}.*")
+                           if RAM_DIR.is_dir() else [])]:
             if leftover.is_dir():
                 shutil.rmtree(leftover, ignore_errors=True)
             else:
@@ -132,8 +136,20 @@ class Storage:
             removed += 1
         return removed
 
-    def work_dir(self, digest: str) -> Path:
-        """A private work area for this process's conversion of ``digest``."""
-        path = self.tmp / f"{digest_hex(digest)}.{socket.gethostname()}.{os.getpid()}"
+    def work_dir(self, digest: str, needs_bytes: int = 0) -> Path:
+        """A private work area for this process's conversion of ``digest``.
+
+        In RAM (``/dev/shm``) when ``needs_bytes`` fits there with room to spare:
+        an unpacked tree is thrown away after squashing, and on a busy disk its
+        writeback dominated (bert's tree: 32 s on disk, 6 s in RAM).
+        """
+        name = f"{digest_hex(digest)}.{socket.gethostname()}.{os.getpid()}"
+        parent = self.tmp
+        if needs_bytes and RAM_DIR.is_dir():
+            free = shutil.disk_usage(RAM_DIR).free
+            if free > needs_bytes * 1.25 + RAM_RESERVE:
+                parent = RAM_DIR
+                name = f"imgpipe-{name}"
+        path = parent / name
         path.mkdir(parents=True, exist_ok=False)
         return path

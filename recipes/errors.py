@@ -1,0 +1,18 @@
+"""Errors of the recipes subsystem (the whole tree is drawn in imgpipe.pipeline.errors)."""
+
+from __future__ import annotations
+
+from imgpipe.pipeline.errors import ImgpipeError
+
+
+class RecipeError(ImgpipeError):
+    """A recipe cannot be rendered, published or pulled as asked."""
+
+    code = "recipe"
+
+
+class ShapeError(RecipeError):
+    """A cluster shape that cannot keep BERT's global batch."""
+
+    exit_code = 2
+    code = "shape"
