@@ -115,6 +115,17 @@ class EnrootConfig(_Strict):
     max_connections: int = Field(default=4, ge=1, le=64)
 
 
+class RecipesConfig(_Strict):
+    profiles_dir: Path | None = Field(default=None, description="a site's own profiles")
+    data_dir: str = "/lustre/bert/data"
+    checkpoint_dir: str = "/lustre/bert/checkpoints"
+    results_dir: str = "/lustre/bert/results"
+    dataset_source: str = "/lustre/bert/source"
+    vocab: str = "/lustre/bert/vocab.txt"
+    partition: str | None = None
+    walltime_minutes: int = Field(default=480, ge=1)
+
+
 class Settings(_Strict):
     """Everything imgpipe.yaml can say; passed explicitly, never a global."""
 
@@ -124,6 +135,7 @@ class Settings(_Strict):
     docker: DockerConfig = DockerConfig()
     build: BuildConfig = BuildConfig()
     enroot: EnrootConfig = EnrootConfig()
+    recipes: RecipesConfig = RecipesConfig()
     default_flavor: Literal["ngc", "cpu"] = "cpu"
     # Folder relative paths resolve against; not a key in the file.
     root: Path = Field(default=Path("."), exclude=True)

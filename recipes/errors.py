@@ -16,3 +16,10 @@ class ShapeError(RecipeError):
 
     exit_code = 2
     code = "shape"
+
+
+class ProfileError(RecipeError):
+    """An unknown or invalid cluster profile."""
+
+    exit_code = 2
+    code = "profile"

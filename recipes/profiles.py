@@ -10,7 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from imgpipe.pipeline.config import format_validation_error
-from imgpipe.recipes.errors import RecipeError
+from imgpipe.recipes.errors import ProfileError, RecipeError
 
 SHIPPED = ("dgx1", "dgx2", "dgx-a100", "dgx-h100", "local")
 
@@ -61,7 +61,7 @@ def _parse(text: str, where: str) -> Profile:
     try:
         return Profile(**raw)
     except ValidationError as exc:
-        raise RecipeError(format_validation_error(Path(where), exc)) from exc
+        raise ProfileError(format_validation_error(Path(where), exc)) from exc
 
 
 def load_profile(name: str, site_dir: Path | None = None) -> Profile:
@@ -74,5 +74,5 @@ def load_profile(name: str, site_dir: Path | None = None) -> Profile:
         return _parse(shipped.read_text(), f"profiles/{name}.yaml")
     known = sorted(set(SHIPPED) | {p.stem for p in (site_dir.glob("*.yaml") if site_dir
                                                      and site_dir.is_dir() else [])})
-    raise RecipeError(f"unknown profile {name!r} (known: {', '.join(known)})",
+    raise ProfileError(f"unknown profile {name!r} (known: {', '.join(known)})",
                       hint="add NAME.yaml to recipes.profiles_dir, or use a shipped one")

@@ -1,0 +1,130 @@
+"""`imgpipe recipes …`: Slurm jobs for a cluster shape, pinned to the pushed bytes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from imgpipe.pipeline.cli import CONTEXT, reporting, settings_of
+from imgpipe.pipeline.config import Settings
+from imgpipe.pipeline.errors import ConfigError
+from imgpipe.pipeline.lock import lock_path, read_lock
+from imgpipe.pipeline.output import Result
+from imgpipe.recipes.profiles import load_profile
+from imgpipe.recipes.render import RecipeInputs, render_bundle
+from imgpipe.recipes.scaling import table as shape_table
+
+
+def _profiles_dir(settings: Settings) -> Path | None:
+    folder = settings.recipes.profiles_dir
+    return settings.path(folder) if folder else None
+
+
+def _pin(settings: Settings, image: str, flavor: str) -> str | None:
+    """The squashfs file of the image's pushed digest when it exists, else the digest."""
+    entry = read_lock(lock_path(settings.root)).entry(image, flavor)
+    if entry is None:
+        return None
+    if entry.squashfs and Path(entry.squashfs).is_file():
+        return entry.squashfs
+    return entry.pinned
+
+
+@click.group(context_settings=CONTEXT)
+def recipes() -> None:
+    """Slurm recipes (Pyxis srun/sbatch) for BERT training, dataset preparation and NCCL checks.
+
+    \b
+    Examples:
+      imgpipe recipes table --profile dgx1 --max-nodes 16
+      imgpipe recipes render --profile dgx-h100 --nodes 4 -o recipes/
+      source recipes/config_4x8x2048x8.sh && sbatch -N"$DGXNNODES" \\
+          --ntasks-per-node="$DGXNGPU" recipes/run.sub
+    """
+
+
+@recipes.command(context_settings=CONTEXT)
+@click.option("--profile", "profile_name", required=True, help="Cluster profile (dgx1, dgx2, "
+              "dgx-a100, dgx-h100, local, or one in recipes.profiles_dir).")
+@click.option("--max-nodes", type=click.IntRange(1, 4096), default=16, show_default=True)
+@reporting
+def table(ctx: click.Context, profile_name: str, max_nodes: int) -> Result:
+    """Per-GPU batch, micro-batch, accumulation and learning rate for 1…N nodes.
+
+    The global batch stays fixed (65536 in phase 1, 32768 in phase 2), so every
+    shape converges like the published recipe.
+    """
+    settings = settings_of(ctx)
+    profile = load_profile(profile_name, _profiles_dir(settings))
+    shapes = shape_table(profile, max_nodes)
+    lines = [f"{'nodes':>5} {'gpus':>5} {'phase':>5} {'global':>7} {'per-gpu':>7} "
+             f"{'micro':>5} {'accum':>5} {'lr':>7} {'warmup':>7} {'steps':>6}  config"]
+    for s in shapes:
+        lines.append(f"{s.nodes:>5} {s.gpus:>5} {s.phase:>5} {s.global_batch:>7} "
+                     f"{s.per_gpu_batch:>7} {s.micro_batch:>5} {s.accumulation:>5} "
+                     f"{s.learning_rate:>7g} {s.warmup_proportion:>7g} {s.max_steps:>6}  "
+                     f"{s.config_name}")
+    return Result({"profile": profile.name, "shapes": shapes}, lines)
+
+
+@recipes.command(context_settings=CONTEXT)
+@click.option("--profile", "profile_name", required=True, help="Cluster profile.")
+@click.option("--nodes", type=click.IntRange(1, 4096), required=True)
+@click.option("--phase", type=click.Choice(["1", "2", "both"]), default="both",
+              show_default=True, help="Which phase's config files to render.")
+@click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Folder for the bundle (default: outputs.recipes_dir/PROFILE-Nn).")
+@click.option("--runtime", type=click.Choice(["pyxis", "host"]), default="pyxis",
+              show_default=True, help="pyxis: srun --container-image; host: the same steps "
+              "with software installed on the nodes.")
+@click.option("--image", default=None, help="Pin this image instead of bert's from "
+              "imgpipe.lock (a squashfs path or host:port/repo@sha256:…).")
+@click.option("--flavor", type=click.Choice(["ngc", "cpu"]), default=None)
+@click.option("--env", "env", multiple=True, metavar="NAME=VALUE",
+              help="Extra environment for every job (repeatable).")
+@reporting
+def render(ctx: click.Context, profile_name: str, nodes: int, phase: str, output: Path | None,
+           runtime: str, image: str | None, flavor: str | None, env: tuple[str, ...]
+           ) -> Result:
+    """Render run.sub, dataset.sub, nccl.sub and config_<N>x<G>x<B>x<A>.sh for a shape.
+
+    The image is pinned to the digest imgpipe.lock recorded (its squashfs file
+    when one was converted), never to a tag.
+
+    \b
+    Example:
+      imgpipe recipes render --profile dgx1 --nodes 16 --phase 1 -o /lustre/bert/recipes
+    """
+    settings = settings_of(ctx)
+    profile = load_profile(profile_name, _profiles_dir(settings))
+    flavor = flavor or settings.default_flavor
+    pinned = image or _pin(settings, "bert", flavor)
+    if pinned is None:
+        raise ConfigError(f"imgpipe.lock has no pushed bert/{flavor} to pin",
+                          hint="imgpipe build bert && imgpipe push (or pass --image)")
+    extra = {}
+    for item in env:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise click.BadParameter(f"{item!r} is not NAME=VALUE", param_hint="--env")
+        extra[name] = value
+    recipes_cfg = settings.recipes
+    inputs = RecipeInputs(
+        profile=profile, nodes=nodes, image=pinned, runtime=runtime,  # type: ignore[arg-type]
+        nccl_image=_pin(settings, "nccl-tests", "ngc") if profile.is_gpu else None,
+        data_dir=recipes_cfg.data_dir, checkpoint_dir=recipes_cfg.checkpoint_dir,
+        results_dir=recipes_cfg.results_dir, dataset_source=recipes_cfg.dataset_source,
+        vocab=recipes_cfg.vocab, partition=recipes_cfg.partition,
+        walltime_minutes=recipes_cfg.walltime_minutes, env=extra)
+    folder = output or settings.path(settings.outputs.recipes_dir) / f"{profile.name}-{nodes}n"
+    phases = (1, 2) if phase == "both" else (int(phase),)
+    bundle = render_bundle(inputs, folder, phases)
+    lines = [f"rendered {len(bundle.files)} files in {folder} (image {bundle.image})"]
+    lines += [f"  {p.name}" for p in bundle.files]
+    for shape in bundle.shapes:
+        lines.append(f"phase {shape.phase}: source {folder / shape.config_name} && sbatch "
+                     f"-N{shape.nodes} --ntasks-per-node={shape.gpus_per_node} "
+                     f"{folder / 'run.sub'}")
+    return Result({"folder": folder, "files": bundle.files, "image": bundle.image,
+                   "shapes": bundle.shapes}, lines)

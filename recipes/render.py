@@ -1,0 +1,168 @@
+"""Rendering Slurm recipes (run.sub, dataset.sub, nccl.sub, config_*.sh) for a cluster shape.
+
+Every value that reaches a script is either validated to a strict form (what
+goes into ``#SBATCH`` lines, which Slurm reads without a shell) or quoted with
+``shlex.quote`` (everything the shell reads), so image names, paths and
+environment values cannot inject commands.  Images are pinned: the squashfs
+file when one was converted (any Enroot reads it), else Enroot's
+``host:port#repo@sha256:…`` form, which never appears in an ``#SBATCH`` line.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import jinja2
+
+from imgpipe.pipeline.files import atomic_write
+from imgpipe.recipes.errors import RecipeError
+from imgpipe.recipes.profiles import Profile
+from imgpipe.recipes.scaling import Shape, shape_for
+from imgpipe.registry.errors import ReferenceFormatError
+from imgpipe.registry.reference import Reference
+
+Runtime = Literal["pyxis", "host"]
+SBATCH_SAFE = re.compile(r"^[A-Za-z0-9_.:@+=,/-]{1,128}$")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+SIGNAL_LEAD_S = 300
+
+
+@dataclass(frozen=True)
+class RecipeInputs:
+    profile: Profile
+    nodes: int
+    image: str  # squashfs path or a registry reference
+    runtime: Runtime = "pyxis"
+    nccl_image: str | None = None
+    data_dir: str = "/lustre/bert/data"
+    checkpoint_dir: str = "/lustre/bert/checkpoints"
+    results_dir: str = "/lustre/bert/results"
+    dataset_source: str = "/lustre/bert/source"
+    vocab: str = "/lustre/bert/vocab.txt"
+    bert_config: str = "/opt/bert/bert_config.json"
+    partition: str | None = None
+    walltime_minutes: int = 480
+    shards: int = 256
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def _sbatch_value(value: str, what: str) -> str:
+    if not SBATCH_SAFE.match(value):
+        raise RecipeError(f"{what} {value!r} cannot go in an #SBATCH line",
+                          hint="use letters, digits and . _ : @ + = , / - only")
+    return value
+
+
+def _shell_value(value: str, what: str) -> str:
+    if "\x00" in value:
+        raise RecipeError(f"{what} contains a NUL byte")
+    return value
+
+
+def _path(value: str, what: str) -> str:
+    _shell_value(value, what)
+    if "\n" in value or not value.strip():
+        raise RecipeError(f"{what} {value!r} is not a usable path")
+    return value
+
+
+def pinned_image(image: str) -> str:
+    """A squashfs path as is; a reference checked and written in Enroot's form."""
+    if image.startswith(("/", "./")):
+        return _path(image, "image path")
+    try:
+        ref = Reference.parse(image)
+    except ReferenceFormatError as exc:
+        raise RecipeError(f"image {image!r} is neither a squashfs path nor a reference",
+                          hint=exc.hint) from exc
+    if ref.digest is None:
+        raise RecipeError(f"image {image!r} is not pinned to a digest",
+                          hint="recipes pin bytes, not names: push it, then render again")
+    return ref.enroot
+
+
+def _walltime(minutes: int) -> str:
+    if minutes < 1 or minutes > 60 * 24 * 30:
+        raise RecipeError(f"walltime of {minutes} minutes is out of range")
+    return f"{minutes // 60:02d}:{minutes % 60:02d}:00"
+
+
+def _environment(inputs: RecipeInputs) -> list[tuple[str, str]]:
+    env: dict[str, str] = {}
+    if inputs.profile.hcas:
+        env["NCCL_IB_HCA"] = ",".join(inputs.profile.hcas)
+    env.update(inputs.profile.nccl_env)
+    env.update(inputs.profile.enroot_env)
+    env.update(inputs.env)
+    for name, value in env.items():
+        if not ENV_NAME.match(name):
+            raise RecipeError(f"environment name {name!r} is not a valid shell variable")
+        _shell_value(value, f"environment value of {name}")
+    return sorted(env.items())
+
+
+def _jinja() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("imgpipe.recipes", "templates"),
+        undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False,
+        trim_blocks=False,
+    )
+    env.filters["sh"] = lambda value: shlex.quote(str(value))
+    return env
+
+
+@dataclass(frozen=True)
+class Bundle:
+    folder: Path
+    files: list[Path]
+    shapes: list[Shape]
+    image: str
+
+
+def render_bundle(inputs: RecipeInputs, folder: Path, phases: tuple[int, ...] = (1, 2)
+                  ) -> Bundle:
+    """Write run.sub, dataset.sub, nccl.sub and one config file per phase into ``folder``."""
+    profile = inputs.profile
+    shapes = [shape_for(profile, inputs.nodes, phase) for phase in phases]
+    image = pinned_image(inputs.image)
+    nccl_image = pinned_image(inputs.nccl_image) if inputs.nccl_image else image
+    context = {
+        "profile": profile, "nodes": inputs.nodes, "runtime": inputs.runtime,
+        "image": image, "nccl_image": nccl_image,
+        "partition": _sbatch_value(inputs.partition or profile.partition, "partition"),
+        "walltime": _walltime(inputs.walltime_minutes),
+        "walltime_minutes": inputs.walltime_minutes,
+        "dataset_walltime": _walltime(48 * 60),
+        "signal_lead_s": SIGNAL_LEAD_S,
+        "data_dir": _path(inputs.data_dir, "data directory"),
+        "checkpoint_dir": _path(inputs.checkpoint_dir, "checkpoint directory"),
+        "results_dir": _path(inputs.results_dir, "results directory"),
+        "dataset_source": _path(inputs.dataset_source, "dataset source"),
+        "vocab": _path(inputs.vocab, "vocabulary file"),
+        "bert_config": _path(inputs.bert_config, "BERT config file"),
+        "phase1_checkpoint": _path(inputs.checkpoint_dir, "checkpoint directory"),
+        "shards": int(inputs.shards),
+        "dataset_tasks": max(1, profile.cores_per_node // 2),
+        "env": _environment(inputs),
+        "bench": "all_reduce_perf" if inputs.nccl_image else "pytorch",
+        "max_bytes": "8G" if profile.is_gpu else "64M",
+    }
+    templates = _jinja()
+    written = []
+    for name in ("run.sub", "dataset.sub", "nccl.sub"):
+        text = templates.get_template(f"{name}.j2").render(**context, shape=shapes[0])
+        written.append(atomic_write(folder / name, text, mode=0o755))
+    for shape in shapes:
+        text = templates.get_template("config.sh.j2").render(**context, shape=shape)
+        written.append(atomic_write(folder / shape.config_name, text, mode=0o644))
+    meta = {"profile": profile.name, "nodes": inputs.nodes, "runtime": inputs.runtime,
+            "image": image, "nccl_image": nccl_image,
+            "shapes": [asdict(shape) for shape in shapes],
+            "files": sorted(p.name for p in written)}
+    written.append(atomic_write(folder / "bundle.json", json.dumps(meta, indent=2) + "\n"))
+    return Bundle(folder, written, shapes, image)
