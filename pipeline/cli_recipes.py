@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 
 import click
@@ -65,7 +66,8 @@ def table(ctx: click.Context, profile_name: str, max_nodes: int) -> Result:
                      f"{s.per_gpu_batch:>7} {s.micro_batch:>5} {s.accumulation:>5} "
                      f"{s.learning_rate:>7g} {s.warmup_proportion:>7g} {s.max_steps:>6}  "
                      f"{s.config_name}")
-    return Result({"profile": profile.name, "shapes": shapes}, lines)
+    rows = [{**asdict(s), "gpus": s.gpus, "config_name": s.config_name} for s in shapes]
+    return Result({"profile": profile.name, "shapes": rows}, lines)
 
 
 @recipes.command(context_settings=CONTEXT)
