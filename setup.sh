@@ -18,6 +18,7 @@ PACKAGES=(
   squashfs-tools squashfs-tools-ng   # mksquashfs/unsquashfs, tar2sqfs
   debootstrap                        # base images without a public registry
   apache2-utils                      # htpasswd for registry auth
+  slurm-wlm munge                    # a one-node Slurm for the recipes' tests
   shellcheck curl ca-certificates util-linux
   python3 python3-venv python3-pip
 )

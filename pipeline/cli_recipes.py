@@ -12,9 +12,11 @@ from imgpipe.pipeline.config import Settings
 from imgpipe.pipeline.errors import ConfigError
 from imgpipe.pipeline.lock import lock_path, read_lock
 from imgpipe.pipeline.output import Result
+from imgpipe.pipeline.wiring import registry_client, registry_credentials
 from imgpipe.recipes.profiles import load_profile
 from imgpipe.recipes.render import RecipeInputs, render_bundle
 from imgpipe.recipes.scaling import table as shape_table
+from imgpipe.registry.reference import Reference
 
 
 def _profiles_dir(settings: Settings) -> Path | None:
@@ -130,3 +132,64 @@ def render(ctx: click.Context, profile_name: str, nodes: int, phase: str, output
                      f"{folder / 'run.sub'}")
     return Result({"folder": folder, "files": bundle.files, "image": bundle.image,
                    "shapes": bundle.shapes}, lines)
+
+
+def _bundle_target(settings: Settings, name: str | None, tag: str | None) -> Reference:
+    """NAME[:TAG] in the configured registry; default: bert's repository, -recipes, its tag."""
+    if name:
+        return Reference.parse(name, default_registry=settings.registry.address)
+    entry = read_lock(lock_path(settings.root)).entry("bert", settings.default_flavor)
+    if entry is None:
+        raise ConfigError("imgpipe.lock has no pushed bert image to publish recipes beside",
+                          hint="pass NAME:TAG, or push bert first")
+    repository = entry.repository.split("/", 1)[1]
+    return Reference.parse(f"{repository}-recipes:{tag or entry.tags[0]}",
+                           default_registry=settings.registry.address)
+
+
+@recipes.command(context_settings=CONTEXT)
+@click.argument("folder", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.option("--name", default=None, metavar="REPO[:TAG]",
+              help="Where to publish (default: bert's repository + -recipes, bert's tag).")
+@reporting
+def publish(ctx: click.Context, folder: Path, name: str | None) -> Result:
+    """Push a rendered bundle to the registry as an OCI artifact, tagged like the image.
+
+    \b
+    Example:
+      imgpipe recipes render --profile dgx1 --nodes 16 -o out && imgpipe recipes publish out
+    """
+    from imgpipe.recipes.publish import publish as push_bundle
+
+    settings = settings_of(ctx)
+    target = _bundle_target(settings, name, None)
+    registry = settings.registry
+    names = push_bundle(folder, target, registry.scheme, registry_credentials(settings),
+                        str(settings.path(registry.ca_file)) if registry.ca_file else None)
+    digest = registry_client(settings).manifest_digest(target.repository, target.reference)
+    return Result({"target": str(target), "digest": digest, "files": names},
+                  [f"published {len(names)} files to {target} ({digest})"])
+
+
+@recipes.command(context_settings=CONTEXT)
+@click.argument("name", metavar="NAME[:TAG]")
+@click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("."), show_default=True, help="Folder to write the bundle into.")
+@reporting
+def pull(ctx: click.Context, name: str, output: Path) -> Result:
+    """Fetch a published bundle on the cluster and list what it holds.
+
+    \b
+    Example:
+      imgpipe recipes pull imgpipe/bert-recipes:0.1.0 -o ~/bert && cat ~/bert/bundle.json
+    """
+    from imgpipe.recipes.publish import pull as fetch_bundle
+
+    settings = settings_of(ctx)
+    target = Reference.parse(name, default_registry=settings.registry.address)
+    registry = settings.registry
+    paths = fetch_bundle(target, output, registry_client(settings), registry.scheme,
+                         registry_credentials(settings),
+                         str(settings.path(registry.ca_file)) if registry.ca_file else None)
+    return Result({"target": str(target), "files": paths},
+                  [f"pulled {target} into {output}:"] + [f"  {p.name}" for p in paths])

@@ -191,3 +191,66 @@ def test_unknown_profile_and_bad_shape_exit_2(cli) -> None:
 def test_table_lists_only_shapes_that_keep_the_batch() -> None:
     shapes = table(load_profile("dgx-h100"), 64)
     assert shapes and all(s.global_batch % s.gpus == 0 for s in shapes)
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    from tests.slurm import one_node_slurm
+
+    with one_node_slurm(tmp_path_factory.mktemp("slurm")) as cluster:
+        yield cluster
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("name", SHIPPED)
+def test_real_slurm_accepts_every_rendered_script(slurm, tmp_path: Path, name: str) -> None:
+    profile = load_profile(name)
+    nodes = 1 if name == "local" else 4
+    render_bundle(RecipeInputs(profile, nodes, PINNED), tmp_path)
+    for script in ("run.sub", "dataset.sub", "nccl.sub"):
+        # This Slurm has one node, so the node count is lowered on the command line; every
+        # #SBATCH line of the script (partition, time, signal, GPUs, ...) is still checked.
+        result = slurm.run("sbatch", "--test-only", "-N1", str(tmp_path / script))
+        assert result.returncode == 0, (script, result.stderr)
+        assert "to start at" in result.stderr
+
+
+@pytest.mark.e2e
+def test_real_slurm_refuses_a_broken_directive(slurm, tmp_path: Path) -> None:
+    render_bundle(RecipeInputs(load_profile("local"), 1, PINNED), tmp_path)
+    script = tmp_path / "run.sub"
+    script.write_text(script.read_text().replace("#SBATCH --requeue", "#SBATCH --requeue=maybe"))
+    result = slurm.run("sbatch", "--test-only", str(script))
+    assert result.returncode != 0  # the check above is not vacuous
+
+
+@pytest.mark.e2e
+def test_publish_then_pull_round_trips_byte_for_byte(cli, registry_server, tmp_path) -> None:
+    cli.write_config({"registry": {"port": registry_server.port}})
+    rendered = tmp_path / "rendered"
+    code, _, err = cli("recipes", "render", "--profile", "dgx1", "--nodes", "4", "--image",
+                       PINNED, "-o", str(rendered))
+    assert code == 0, err
+    name = "imgpipe/bert-recipes:0.1.0"
+    code, out, err = cli("recipes", "publish", str(rendered), "--name", name, "--json")
+    assert code == 0, err
+    assert json.loads(out)["data"]["digest"].startswith("sha256:")
+    pulled = tmp_path / "pulled"
+    code, out, err = cli("recipes", "pull", name, "-o", str(pulled), "--json")
+    assert code == 0, err
+    originals = sorted(p.name for p in rendered.iterdir())
+    assert sorted(p.name for p in pulled.iterdir()) == originals
+    for file in originals:
+        assert (pulled / file).read_bytes() == (rendered / file).read_bytes(), file
+    assert os.access(pulled / "run.sub", os.X_OK)
+
+
+@pytest.mark.e2e
+def test_pulling_a_missing_tag_fails_clearly(cli, registry_server, tmp_path) -> None:
+    cli.write_config({"registry": {"port": registry_server.port}})
+    code, _, err = cli("recipes", "pull", "imgpipe/bert-recipes:nope", "-o", str(tmp_path / "x"))
+    assert code == 1
+    assert err.strip().splitlines()[-1] == (
+        f"error: no recipe bundle {registry_server.address}/imgpipe/bert-recipes:nope in the "
+        "registry (hint: list tags: imgpipe registry tags imgpipe/bert-recipes)")
+    assert not (tmp_path / "x").exists()
