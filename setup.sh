@@ -47,9 +47,13 @@ make_venv() {
   fi
   # Reinstall only when the project's requirements changed.
   local stamp=.venv/.imgpipe-installed
-  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-    log "installing imgpipe (editable) with test extras"
+  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] \
+      || [ images/bert/trainer/pyproject.toml -nt "$stamp" ]; then
+    log "installing imgpipe (editable) with test extras, and the bert trainer with CPU torch"
     .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+    # torch 2.13.0's CPU wheel is on disk here (pip's find-links); PyPI's is a CUDA build.
+    .venv/bin/pip install -q --disable-pip-version-check "torch==${TORCH_VERSION:-2.13.0}" \
+      -e images/bert/trainer
     touch "$stamp"
   fi
 }
