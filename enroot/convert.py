@@ -24,7 +24,7 @@ from imgpipe.enroot.flatten import LayerCounts, LayerSource, merge, write_stream
 from imgpipe.enroot.rcfiles import rc_files
 from imgpipe.enroot.squash import SquashOptions, squash_stream, squash_tree
 from imgpipe.enroot.storage import Storage
-from imgpipe.pipeline.files import temporary_name
+from imgpipe.pipeline.files import atomic_path
 from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.errors import RegistryError
 from imgpipe.registry.reference import Reference
@@ -102,15 +102,9 @@ def convert(client: RegistryClient, storage: Storage, ref: Reference,
 def _convert_with_enroot(client, ref, digest, final, options, say, started) -> Conversion:
     from imgpipe.enroot.delegate import enroot_import
 
-    tmp = temporary_name(final)
     say(f"enroot import {ref.repository}@{digest[:19]}")
-    try:
+    with atomic_path(final, mode=0o644) as tmp:
         enroot_import(ref, digest, tmp, options, client.base_url.split("://")[0])
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return Conversion(str(ref), digest, final, True, time.monotonic() - started,
                       final.stat().st_size, options.compression)
 
@@ -139,9 +133,8 @@ def _convert_locked(client, storage, ref, digest, final, options, say,
 def _squash_and_publish(ref, digest, final, options, say, started, image, layers, view,
                         work) -> Conversion:
     written = [0]
-    tmp = temporary_name(final)
     say(f"squash with {options.compression} ({options.tool})")
-    try:
+    with atomic_path(final, mode=0o644) as tmp:
         if options.tool == "tar2sqfs":
             squash_stream(lambda out: written.__setitem__(0, write_stream(view, layers, out)),
                           tmp, options)
@@ -149,12 +142,7 @@ def _squash_and_publish(ref, digest, final, options, say, started, image, layers
             squash_tree(lambda tree: written.__setitem__(0, write_tree(view, layers, tree)),
                         tmp, options, work)
         with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+            os.fsync(handle.fileno())  # the file is complete on disk before it is visible
     return Conversion(str(ref), digest, final, True, time.monotonic() - started,
                       final.stat().st_size, options.compression, image.fetched_bytes,
                       written[0], view.counts)

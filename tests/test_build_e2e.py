@@ -251,3 +251,45 @@ def test_unreachable_registry_on_push_keeps_the_lock(project: CliRun) -> None:
     assert code == 1
     assert err.strip().splitlines()[-1].startswith("error: cannot reach the registry at ")
     assert (project.folder / "imgpipe.lock").read_bytes() == before
+
+
+def test_ci_builds_selftests_pushes_then_does_nothing(tmp_path, registry_server, base_image,
+                                                      capsys) -> None:
+    _image(tmp_path / "images", "tiny", HELLO_DOCKERFILE, {"hello.txt": "hi\n"}, [],
+           ["cat", "/hello.txt"])
+    cli = CliRun(tmp_path, capsys)
+    cli.write_config({"registry": {"port": registry_server.port}})
+    code, out, err = cli("ci", "--json")
+    assert code == 0, err[-2000:]
+    data = json.loads(out)["data"]
+    assert [b["action"] for b in data["built"]] == ["built"]
+    [pushed] = data["pushed"]
+    entry = lock_of(cli)["images"]["tiny"]["cpu"]
+    assert entry["digest"] == pushed["digest"]
+    code, out, _ = cli("ci", "--json")
+    assert code == 0 and json.loads(out)["data"] == {"built": [], "pushed": []}
+
+
+def test_ci_stops_on_a_failing_selftest_and_keeps_the_lock(tmp_path, registry_server,
+                                                           base_image, capsys) -> None:
+    _image(tmp_path / "images", "flaky", HELLO_DOCKERFILE, {"hello.txt": "hi\n"}, [],
+           ["sh", "-c", "echo self-test says no >&2; exit 4"])
+    cli = CliRun(tmp_path, capsys)
+    cli.write_config({"registry": {"port": registry_server.port}})
+    code, _, err = cli("ci")
+    assert code == 1
+    assert err.strip().splitlines()[-1].startswith(
+        "error: self-test of flaky/cpu failed (exit 4): self-test says no")
+    assert not (tmp_path / "imgpipe.lock").exists()
+
+
+def test_mirror_copies_a_base_image_into_the_registry(cli, registry_server, base_image) -> None:
+    cli.write_config({"registry": {"port": registry_server.port}})
+    code, out, err = cli("mirror", base_image, "mirror/debian:1", "--json")
+    assert code == 0, err
+    data = json.loads(out)["data"]
+    assert data["target"] == f"{registry_server.address}/mirror/debian:1"
+    registry = RegistryClient(registry_server.url)
+    assert data["digest"] == registry.manifest_digest("mirror/debian", "1")
+    code, _, err = cli("mirror", "imgpipe-test/not-anywhere:1")
+    assert code == 1 and "cannot pull imgpipe-test/not-anywhere:1" in err

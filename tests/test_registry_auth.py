@@ -126,15 +126,21 @@ def test_cli_with_netrc_credentials_over_tls(cli, tls_htpasswd_registry, tmp_pat
     assert PASSWORD not in err + out
 
 
-def test_cli_with_docker_config_and_bearer(cli, token_registry, tmp_path) -> None:
+def use_docker_config(cli, server, tmp_path: Path) -> str:
+    """Point the CLI at ``server`` with credentials in a docker config.json; returns its auth."""
     import base64
 
-    server, _ = token_registry
     config = tmp_path / "config.json"
     auth = base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
     config.write_text(json.dumps({"auths": {server.address: {"auth": auth}}}))
     cli.write_config({"registry": {"port": server.port, "credentials": {
         "source": "docker-config", "file": str(config)}}})
+    return auth
+
+
+def test_cli_with_docker_config_and_bearer(cli, token_registry, tmp_path) -> None:
+    server, _ = token_registry
+    use_docker_config(cli, server, tmp_path)
     code, out, err = cli("registry", "status", "--json")
     assert code == 0, err
     assert json.loads(out)["data"]["reachable"] is True
@@ -168,15 +174,10 @@ def test_challenge_parsing() -> None:
 
 
 def test_verbose_logs_hold_no_password_or_token(cli, token_registry, tmp_path, caplog) -> None:
-    import base64
     import logging
 
     server, _ = token_registry
-    config = tmp_path / "config.json"
-    auth = base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
-    config.write_text(json.dumps({"auths": {server.address: {"auth": auth}}}))
-    cli.write_config({"registry": {"port": server.port, "credentials": {
-        "source": "docker-config", "file": str(config)}}})
+    auth = use_docker_config(cli, server, tmp_path)
     with caplog.at_level(logging.DEBUG):
         code, out, err = cli("-v", "registry", "ls")
     assert code == 0, err
