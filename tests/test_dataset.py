@@ -1,0 +1,241 @@
+"""Dataset preparation (bert_trainer.dataset): format, statistics, determinism, resume,
+corruption, Wikipedia markup, and dataset.sub on the real one-node Slurm."""
+
+from __future__ import annotations
+
+import bz2
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from xml.sax.saxutils import escape
+
+import h5py
+import numpy as np
+import pytest
+from bert_trainer.dataset.text import split_sentences
+from bert_trainer.dataset.wiki import articles, clean_wikitext
+
+WORDS = [f"{a}{b}" for a in ("ka", "lo", "mi", "nu", "pe", "ra", "su", "ti", "vo", "ze")
+         for b in ("n", "r", "s", "t", "m", "l", "ko", "da", "be", "fi")]
+PY = [sys.executable, "-m", "bert_trainer.dataset"]
+
+
+def make_corpus(folder: Path, files: int = 3, documents: int = 40, seed: int = 7) -> Path:
+    rng = random.Random(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in range(files):
+        with open(folder / f"part{f}.txt", "w") as handle:
+            for _ in range(documents):
+                for _ in range(rng.randint(6, 14)):
+                    words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 20)))
+                    handle.write(words.capitalize() + ". ")
+                    if rng.random() < 0.3:
+                        handle.write("\n")
+                handle.write("\n\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("corpus")
+    source = make_corpus(root / "src")
+    vocab = root / "vocab.txt"
+    subprocess.run([*PY, "train-vocab", "--source", str(source), "--output", str(vocab),
+                    "--vocab-size", "400"], check=True, capture_output=True, timeout=120)
+    return source, vocab
+
+
+def prepare(source: Path, vocab: Path, output: Path, *extra: str, env=None) -> dict:
+    result = subprocess.run([*PY, "prepare", "--source", str(source), "--output", str(output),
+                             "--vocab", str(vocab), "--shards", "6", "--dupe-factor", "2",
+                             *extra], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, **(env or {})})
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def digests(output: Path) -> dict[str, str]:
+    return {str(p.relative_to(output)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(output.glob("phase*/*.hdf5"))}
+
+
+def test_format_and_statistics(corpus, tmp_path: Path) -> None:
+    source, vocab = corpus
+    summary = prepare(source, vocab, tmp_path / "out")
+    for phase, (seq, pred) in {"1": (128, 20), "2": (512, 80)}.items():
+        stats = summary["phases"][phase]
+        assert 0.14 <= stats["masked_fraction"] <= 0.16
+        assert 0.75 <= stats["mask_token_share"] <= 0.85
+        assert 0.07 <= stats["random_token_share"] <= 0.13
+        assert 0.35 <= stats["random_next_fraction"] <= 0.65
+        for path in sorted((tmp_path / "out" / f"phase{phase}").glob("*.hdf5")):
+            with h5py.File(path) as f:
+                n = f["input_ids"].shape[0]
+                assert sorted(f) == sorted(["input_ids", "input_mask", "segment_ids",
+                                            "masked_lm_positions", "masked_lm_ids",
+                                            "next_sentence_labels"])
+                shapes = {k: (f[k].shape, f[k].dtype) for k in f}
+                assert shapes == {
+                    "input_ids": ((n, seq), np.int32), "input_mask": ((n, seq), np.int8),
+                    "segment_ids": ((n, seq), np.int8),
+                    "masked_lm_positions": ((n, pred), np.int32),
+                    "masked_lm_ids": ((n, pred), np.int32),
+                    "next_sentence_labels": ((n,), np.int8)}
+                ids, mask = f["input_ids"][()], f["input_mask"][()]
+                positions, labels = f["masked_lm_positions"][()], f["masked_lm_ids"][()]
+                assert (ids[:, 0] == 2).all()  # [CLS] of the trained vocabulary
+                assert ((ids != 0) == (mask == 1)).all()
+                for row in range(min(n, 50)):
+                    used = positions[row][positions[row] > 0]
+                    assert len(used) >= 1 and list(used) == sorted(used)
+                    assert (positions[row][len(used):] == 0).all()  # first 0 ends the list
+                    assert (labels[row][len(used):] == 0).all()
+
+
+def test_same_seed_same_bytes_with_1_2_or_3_workers(corpus, tmp_path: Path) -> None:
+    source, vocab = corpus
+    outputs = []
+    for workers in (1, 2, 3):
+        prepare(source, vocab, tmp_path / f"w{workers}", "--workers", str(workers))
+        outputs.append(digests(tmp_path / f"w{workers}"))
+    assert outputs[0] == outputs[1] == outputs[2] and len(outputs[0]) == 12
+    # Two Slurm tasks splitting the shards give the same bytes too.
+    env_out = tmp_path / "tasks"
+    procs = [subprocess.Popen([*PY, "prepare", "--source", str(source), "--output", str(env_out),
+                               "--vocab", str(vocab), "--shards", "6", "--dupe-factor", "2"],
+                              env={**os.environ, "SLURM_PROCID": str(r), "SLURM_NTASKS": "2"},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for r in (0, 1)]
+    for proc in procs:
+        assert proc.wait(300) == 0, proc.stderr.read()[-2000:]
+    assert digests(env_out) == outputs[0]
+    prepare(source, vocab, tmp_path / "other-seed", "--seed", "1")
+    assert digests(tmp_path / "other-seed") != outputs[0]
+
+
+def test_killed_run_resumes_to_the_same_output(corpus, tmp_path: Path) -> None:
+    source, vocab = corpus
+    reference = tmp_path / "reference"
+    prepare(source, vocab, reference, "--workers", "1")
+    partial = tmp_path / "partial"
+    proc = subprocess.Popen([*PY, "prepare", "--source", str(source), "--output", str(partial),
+                             "--vocab", str(vocab), "--shards", "6", "--dupe-factor", "2",
+                             "--workers", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(list(partial.glob("records/*.json"))) < 2:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done_before = len(list(partial.glob("records/*.json")))
+    assert 0 < done_before < 6 or done_before == 6  # killed somewhere along the way
+    summary = prepare(source, vocab, partial, "--workers", "1")
+    assert summary["phases"]["1"]["instances"] > 0
+    assert digests(partial) == digests(reference)
+    assert not list(partial.rglob(".tmp-*"))
+
+
+def test_corrupt_shard_is_detected_and_redone(corpus, tmp_path: Path) -> None:
+    source, vocab = corpus
+    out = tmp_path / "out"
+    prepare(source, vocab, out)
+    before = digests(out)
+    victim = out / "phase2" / "shard_00003.hdf5"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    (out / "phase1" / "shard_00001.hdf5").unlink()
+    result = subprocess.run([*PY, "prepare", "--source", str(source), "--output", str(out),
+                             "--vocab", str(vocab), "--shards", "6", "--dupe-factor", "2",
+                             "--workers", "1"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0
+    shards_line = next(json.loads(x) for x in result.stdout.splitlines() if '"shards"' in x)
+    assert shards_line["done"] == 2 and shards_line["skipped"] == 4
+    assert digests(out) == before
+
+
+ALPHA = """
+{{Infobox thing|name=Alpha|{{nested|x}}}}
+'''Alpha''' is a [[Greek alphabet|letter]] of the [[alphabet]].<ref>A source.</ref> It came
+first.<ref name="b"/> See [http://example.org the site].
+== History ==
+{| class="wikitable"
+| cell || {{tpl}}
+|}
+* a list item that should go
+Alpha was used by Mr. Smith in 1900. It is still used today &amp; tomorrow.
+[[File:Alpha.png|thumb|A [[picture]] caption]]
+<!-- a hidden comment -->
+[[Category:Letters]]
+"""
+GAMMA = "'''Gamma''' is the third letter. It follows beta.\n\nGamma rays are ''energetic''."
+
+
+def page(title: str, namespace: int, body: str, redirect: bool = False) -> str:
+    # Dumps escape the wikitext inside <text>, as any XML writer must.
+    marker = f'<redirect title="{escape(body)}"/>' if redirect else ""
+    return (f"  <page><title>{escape(title)}</title><ns>{namespace}</ns>{marker}"
+            f"<revision><text>{escape(body)}</text></revision></page>\n")
+
+
+DUMP = ('<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.10/">\n'
+        + page("Alpha", 0, ALPHA) + page("Beta", 0, "#REDIRECT [[Alpha]]", redirect=True)
+        + page("Talk:Alpha", 1, "Talk text.") + page("Gamma", 0, GAMMA) + "</mediawiki>\n")
+
+
+def test_wikipedia_markup_is_removed(tmp_path: Path) -> None:
+    dump = tmp_path / "dump.xml.bz2"
+    dump.write_bytes(bz2.compress(DUMP.encode()))
+    found = list(articles(dump))
+    assert [title for title, _ in found] == ["Alpha", "Gamma"]
+    text = " ".join(found[0][1])
+    assert text.startswith("Alpha is a letter of the alphabet. It came first. See the site.")
+    assert "Alpha was used by Mr. Smith in 1900. It is still used today & tomorrow." in text
+    for junk in ("{{", "}}", "[[", "<ref", "Infobox", "wikitable", "cell", "list item",
+                 "History", "hidden comment", "Category", "caption", "'''", "http"):
+        assert junk not in text, junk
+    assert found[1][1] == ["Gamma is the third letter. It follows beta.",
+                           "Gamma rays are energetic."]
+    assert split_sentences(found[0][1][-1])[0] == "Alpha was used by Mr. Smith in 1900."
+
+
+def test_wikipedia_dump_to_shards(tmp_path: Path, corpus) -> None:
+    _, vocab = corpus
+    dump = tmp_path / "dump.xml.bz2"
+    dump.write_bytes(bz2.compress(DUMP.encode()))
+    summary = prepare(dump, vocab, tmp_path / "out")
+    assert summary["documents"] == 2 and summary["phases"]["1"]["instances"] > 0
+
+
+def test_clean_wikitext_nested_templates() -> None:
+    assert clean_wikitext("A {{a|{{b|{{c}}}}}} B.") == ["A B."]
+
+
+@pytest.mark.e2e
+def test_dataset_sub_runs_over_two_tasks_on_slurm(corpus, tmp_path: Path) -> None:
+    from imgpipe.recipes.profiles import load_profile
+    from imgpipe.recipes.render import RecipeInputs, render_bundle
+    from tests.slurm import one_node_slurm
+
+    source, vocab = corpus
+    data = tmp_path / "data"
+    render_bundle(RecipeInputs(load_profile("local"), 1, "/images/bert.sqsh", runtime="host",
+                               data_dir=str(data), dataset_source=str(source),
+                               vocab=str(vocab), shards=4), tmp_path / "recipes")
+    with one_node_slurm(tmp_path / "slurm") as slurm:
+        job = slurm.run("sbatch", "--wait", "-N1", "--ntasks=2", "-o", str(tmp_path / "job.out"),
+                        str(tmp_path / "recipes" / "dataset.sub"), cwd=tmp_path, timeout=600,
+                        extra_env={"PYTHON": sys.executable})
+        output = (tmp_path / "job.out").read_text()
+    assert job.returncode == 0, output[-3000:]
+    summary = json.loads((data / "summary.json").read_text())
+    assert len(summary["phases"]["1"]["instances_per_shard"]) == 4
+    assert sorted(p.name for p in (data / "phase1").glob("*.hdf5")) == [
+        f"shard_{i:05d}.hdf5" for i in range(4)]
+    ranks = {json.loads(x)["rank"] for x in output.splitlines() if '"stage": "shards"' in x}
+    assert ranks == {0, 1}  # both tasks did shards
