@@ -239,3 +239,51 @@ def test_dataset_sub_runs_over_two_tasks_on_slurm(corpus, tmp_path: Path) -> Non
         f"shard_{i:05d}.hdf5" for i in range(4)]
     ranks = {json.loads(x)["rank"] for x in output.splitlines() if '"stage": "shards"' in x}
     assert ranks == {0, 1}  # both tasks did shards
+
+
+def test_download_resumes_a_partial_file(tmp_path: Path) -> None:
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from bert_trainer.dataset.text import download
+
+    payload = bz2.compress(DUMP.encode()) * 50
+    ranges_seen: list[str | None] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            wanted = self.headers.get("Range")
+            ranges_seen.append(wanted)
+            start = int(wanted.split("=")[1].rstrip("-")) if wanted else 0
+            body = payload[start:]
+            self.send_response(206 if wanted else 200)
+            if wanted:
+                self.send_header("Content-Range",
+                                 f"bytes {start}-{len(payload) - 1}/{len(payload)}")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/enwiki.xml.bz2"
+        dest = tmp_path / "enwiki.xml.bz2"
+        dest.with_name(dest.name + ".part").write_bytes(payload[:1000])  # an earlier attempt
+        download(url, dest)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert dest.read_bytes() == payload
+    assert ranges_seen == ["bytes=1000-"]
+    assert not dest.with_name(dest.name + ".part").exists()
+
+
+def test_text_shards_are_balanced(corpus, tmp_path: Path) -> None:
+    source, vocab = corpus
+    prepare(source, vocab, tmp_path / "out")
+    sizes = [p.stat().st_size for p in sorted((tmp_path / "out" / "text").glob("shard_*.txt"))]
+    assert len(sizes) == 6 and max(sizes) <= 1.2 * min(sizes)

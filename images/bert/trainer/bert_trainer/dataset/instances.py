@@ -131,34 +131,36 @@ def make_pairs(documents: list[list[np.ndarray]], params: Params, rng: np.random
             target = limit
             if draws.random() < params.short_seq_prob:
                 target = draws.integers(2, limit + 1)
-            first = i = 0
-            while i < sentences:
-                if i == sentences - 1 or edge[i + 1] - edge[first] >= target:
-                    chunk = i + 1 - first
-                    a_end = first + (1 if chunk < 2 else draws.integers(1, chunk))
-                    a = [edge[first], edge[a_end]]
-                    random_next = count > 1 and (chunk == 1 or draws.random() < 0.5)
-                    if random_next:
-                        other = draws.integers(0, count - 1)
-                        other += other >= index
-                        other_edge = bounds[other]
-                        start = draws.integers(0, len(other_edge) - 1)
-                        wanted = max(1, target - (a[1] - a[0]))
-                        stop = bisect_left(other_edge, other_edge[start] + wanted)
-                        stop = min(max(stop, start + 1), len(other_edge) - 1)
-                        b = [other_edge[start], other_edge[stop]]
-                        b_doc = other
-                        i = a_end - 1  # unused sentences go back to the pool
-                    else:
-                        b = [edge[a_end], edge[i + 1]]
-                        b_doc = index
-                    if a[1] > a[0] and b[1] > b[0]:
-                        _trim(a, b, limit, draws)
-                        a_ranges.append((doc_offsets[index] + a[0], a[1] - a[0]))
-                        b_ranges.append((doc_offsets[b_doc] + b[0], b[1] - b[0]))
-                        labels.append(int(random_next))
-                    first = i + 1
-                i += 1
+            first = 0
+            while first < sentences:
+                # The chunk ends at the first sentence that brings it to the target length.
+                last = min(bisect_left(edge, edge[first] + target, first + 1) - 1,
+                           sentences - 1)
+                chunk = last + 1 - first
+                a_end = first + (1 if chunk < 2 else draws.integers(1, chunk))
+                a = [edge[first], edge[a_end]]
+                random_next = count > 1 and (chunk == 1 or draws.random() < 0.5)
+                if random_next:
+                    other = draws.integers(0, count - 1)
+                    other += other >= index
+                    other_edge = bounds[other]
+                    start = draws.integers(0, len(other_edge) - 1)
+                    wanted = max(1, target - (a[1] - a[0]))
+                    stop = bisect_left(other_edge, other_edge[start] + wanted)
+                    stop = min(max(stop, start + 1), len(other_edge) - 1)
+                    b = [other_edge[start], other_edge[stop]]
+                    b_doc = other
+                    next_first = a_end  # unused sentences go back to the pool
+                else:
+                    b = [edge[a_end], edge[last + 1]]
+                    b_doc = index
+                    next_first = last + 1
+                if a[1] > a[0] and b[1] > b[0]:
+                    _trim(a, b, limit, draws)
+                    a_ranges.append((doc_offsets[index] + a[0], a[1] - a[0]))
+                    b_ranges.append((doc_offsets[b_doc] + b[0], b[1] - b[0]))
+                    labels.append(int(random_next))
+                first = next_first
     shape = (len(labels), 2)
     return (np.asarray(a_ranges, np.int64).reshape(shape),
             np.asarray(b_ranges, np.int64).reshape(shape), np.asarray(labels, np.int8))
@@ -168,26 +170,25 @@ def build(documents: list[list[np.ndarray]], params: Params, specials: Specials,
           rng: np.random.Generator) -> Instances:
     a_ranges, b_ranges, labels = make_pairs(documents, params, rng)
     n, s, p = len(labels), params.max_seq_len, params.max_predictions
-    tokens = (np.concatenate([x for d in documents for x in d]).astype(np.int32)
-              if documents else np.zeros(0, np.int32))
+    # Every document's tokens end to end, then one 0 that padding gathers.
+    tokens = np.concatenate([x for d in documents for x in d] + [np.zeros(1, np.int32)])
+    pad = len(tokens) - 1
     # One gather fills every row: [CLS] A [SEP] B [SEP] then padding.
     column = np.arange(s)[None, :]
     la, lb = a_ranges[:, 1:2], b_ranges[:, 1:2]
     in_a = (column >= 1) & (column <= la)
     in_b = (column >= la + 2) & (column < la + 2 + lb)
     source = np.where(in_a, a_ranges[:, 0:1] + column - 1,
-                      np.where(in_b, b_ranges[:, 0:1] + column - la - 2, 0))
-    input_ids = np.where(in_a | in_b, tokens[np.clip(source, 0, max(len(tokens) - 1, 0))]
-                         if len(tokens) else 0, 0).astype(np.int32)
+                      np.where(in_b, b_ranges[:, 0:1] + column - la - 2, pad))
+    input_ids = tokens[source]
     input_ids[:, 0] = specials.cls
     rows = np.arange(n)
     input_ids[rows, 1 + la[:, 0]] = specials.sep
     input_ids[rows, 2 + la[:, 0] + lb[:, 0]] = specials.sep
-    segment_ids = ((column >= la + 2) & (column <= la + 2 + lb)).astype(np.int8)
-    input_mask = (input_ids != 0).astype(np.int8)
-    input_mask[:, 0] = 1
-    candidates = (input_mask == 1) & (input_ids != specials.cls) & (input_ids != specials.sep)
-    real = candidates.sum(axis=1)
+    segment_ids = ((column >= la + 2) & (column <= la + 2 + lb)).view(np.int8)
+    input_mask = (column < la + lb + 3).view(np.int8)
+    candidates = in_a | in_b  # every real token; [CLS] and [SEP] are never masked
+    real = (la + lb)[:, 0]
     to_predict = np.minimum(p, np.maximum(1, np.rint(real * params.masked_lm_prob))).astype(int)
     keys = rng.random((n, s))
     keys[~candidates] = 2.0  # never chosen
