@@ -10,7 +10,6 @@ only temporaries, which the next holder of the lock deletes.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import time
@@ -42,14 +41,6 @@ class Conversion:
     fetched_bytes: int = 0
     entries: int = 0
     layers: list[LayerCounts] = field(default_factory=list)
-
-
-def file_sha256(path: Path) -> str:
-    hasher = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(4 << 20), b""):
-            hasher.update(chunk)
-    return "sha256:" + hasher.hexdigest()
 
 
 def resolve_digest(client: RegistryClient, ref: Reference) -> str:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import click
 
-from imgpipe.enroot.convert import Conversion, convert, file_sha256
+from imgpipe.enroot.convert import Conversion, convert
 from imgpipe.enroot.nodeconfig import importer_path, render
 from imgpipe.pipeline.catalog import load_catalog
 from imgpipe.pipeline.cli import CONTEXT, invocation, reporting, settings_of
 from imgpipe.pipeline.config import Settings
 from imgpipe.pipeline.errors import ConfigError
+from imgpipe.pipeline.files import file_sha256
 from imgpipe.pipeline.lock import lock_path, read_lock, updating_lock
 from imgpipe.pipeline.output import Result, human_bytes
 from imgpipe.pipeline.progress import Progress, choose_mode
@@ -22,7 +23,9 @@ COMPRESSION = click.Choice(["zstd", "lz4", "lzo-enroot", "none"])
 def convert_and_record(settings: Settings, target: str, flavor: str, compression: str | None,
                        with_enroot: bool, progress: Progress) -> Conversion:
     """Convert an image of the catalog (pinned by imgpipe.lock) or any reference."""
-    catalog = load_catalog(settings) if settings.path(settings.images_dir).is_dir() else {}
+    is_name = "/" not in target and ":" not in target and "@" not in target
+    catalog = (load_catalog(settings)
+               if is_name and settings.path(settings.images_dir).is_dir() else {})
     image = catalog.get(target)
     lock_file = lock_path(settings.root)
     if image is not None:
@@ -38,7 +41,7 @@ def convert_and_record(settings: Settings, target: str, flavor: str, compression
     conversion = convert(registry_client(settings), storage(settings), ref, options,
                          say=progress.step, with_enroot=with_enroot)
     if image is not None:
-        checksum = file_sha256(conversion.path)
+        checksum = "sha256:" + file_sha256(conversion.path)
         with updating_lock(lock_file) as lock:
             current = lock.entry(image.name, flavor)
             if current is not None and current.digest == conversion.digest:

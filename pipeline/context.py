@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from imgpipe.pipeline.errors import ConfigError
+from imgpipe.pipeline.files import file_sha256
 
 WHEELS_DIR = ".wheels"
 
@@ -99,14 +100,6 @@ class ContextFile:
     mode: int
     digest: str  # sha256 of the content, or of the link target for symlinks
     link: str | None = None
-
-
-def file_sha256(path: Path) -> str:
-    hasher = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            hasher.update(chunk)
-    return hasher.hexdigest()
 
 
 def context_files(folder: Path) -> list[ContextFile]:

@@ -9,6 +9,7 @@ leaves only ``.tmp-`` files that are safe to delete.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import socket
 from collections.abc import Iterator
@@ -37,6 +38,15 @@ def atomic_path(final: str | os.PathLike[str], mode: int | None = None) -> Itera
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         raise
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """Hex sha256 of a file's content, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def atomic_write(final: str | os.PathLike[str], data: str | bytes, mode: int | None = None) -> Path:

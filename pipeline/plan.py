@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -87,16 +87,12 @@ def plan_image(image: Image, flavor: str, lock: LockFile, *, overrides: dict[str
     item = PlanItem(image, flavor, build_args, base_digest, inputs, files)
     previous = lock.entry(image.name, flavor)
     if force:
-        return _with(item, "build", "--force")
+        return replace(item, action="build", reason="--force")
     if previous is None:
-        return _with(item, "build", "never pushed")
+        return replace(item, action="build", reason="never pushed")
     if previous.input_hash == item.input_hash:
-        return _with(item, "up to date",
-                     f"inputs match the push of {previous.pushed_at} ({previous.digest[:19]})")
+        return replace(item, action="up to date",
+                   reason=f"inputs match the push of {previous.pushed_at} ({previous.digest[:19]})")
     changed = [name for name in INPUT_NAMES if previous.inputs.get(name) != inputs[name]]
-    return _with(item, "build", "changed: " + ", ".join(changed or ["hash"]))
+    return replace(item, action="build", reason="changed: " + ", ".join(changed or ["hash"]))
 
-
-def _with(item: PlanItem, action: Action, reason: str) -> PlanItem:
-    return PlanItem(item.image, item.flavor, item.build_args, item.base_digest, item.inputs,
-                    item.files, action, reason)

@@ -25,7 +25,6 @@ from urllib3.util.retry import Retry
 from imgpipe.pipeline.files import atomic_path
 from imgpipe.registry.auth import Authenticator, Credentials
 from imgpipe.registry.errors import AuthError, DigestMismatchError, RegistryError
-from imgpipe.registry.reference import Reference
 
 log = logging.getLogger(__name__)
 
@@ -362,6 +361,3 @@ def select_platform(index: dict[str, Any], platform: Platform) -> dict[str, Any]
         )
     return candidates[0]
 
-
-def client_for(reference: Reference, scheme: str = "http", **kwargs: Any) -> RegistryClient:
-    return RegistryClient(f"{scheme}://{reference.registry}", **kwargs)

@@ -307,10 +307,6 @@ def htpasswd_file(path: Path, username: str, password: str) -> Path:
     return path
 
 
-def remove_tree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-
-
 REGISTRY_IMAGE = "imgpipe-test/registry:2"
 
 

@@ -367,3 +367,14 @@ def test_node_config(convert_cli, tmp_path) -> None:
     assert f"SSL_CERT_FILE {ca}" in data["enroot_conf"]
     assert "ENROOT_ALLOW_HTTP" not in data["enroot_conf"]
     assert "machine 127.0.0.1 login" in data["credentials"]
+
+
+def test_a_broken_catalog_does_not_block_converting_a_reference(convert_cli,
+                                                                 multi_layer_image) -> None:
+    broken = convert_cli.folder / "images" / "oops"
+    broken.mkdir(parents=True)
+    (broken / "image.yaml").write_text("name: [\n")
+    code, _, err = convert_cli("convert", multi_layer_image)
+    assert code == 0, err
+    code, _, err = convert_cli("convert", "oops")  # a catalog name still reads the catalog
+    assert code == 2 and "image.yaml: not valid YAML" in err

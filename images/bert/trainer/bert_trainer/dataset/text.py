@@ -1,10 +1,10 @@
-"""Documents from plain text, sentence splitting, balanced sharding, downloads with resume."""
+"""Documents from plain text, sentence splitting, and downloads with resume."""
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 ABBREVIATIONS = {"mr", "mrs", "ms", "dr", "prof", "st", "vs", "etc", "e.g", "i.e", "no", "fig",
@@ -43,20 +43,6 @@ def text_documents(folder: Path) -> Iterator[list[str]]:
                     current = []
         if current:
             yield current
-
-
-def shard_documents(documents: Iterable[list[str]], shards: int) -> list[list[list[str]]]:
-    """Documents (as sentence lists) spread over ``shards`` by size, deterministically."""
-    buckets: list[list[list[str]]] = [[] for _ in range(shards)]
-    sizes = [0] * shards
-    for document in documents:
-        sentences = [s for paragraph in document for s in split_sentences(paragraph)]
-        if not sentences:
-            continue
-        target = min(range(shards), key=lambda i: (sizes[i], i))
-        buckets[target].append(sentences)
-        sizes[target] += sum(len(s) for s in sentences)
-    return buckets
 
 
 def download(url: str, dest: Path, chunk: int = 1 << 20) -> Path:
