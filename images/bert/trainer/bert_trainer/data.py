@@ -1,0 +1,215 @@
+"""Training batches from HDF5 shards: distinct shards per rank, exact positions, prefetched.
+
+Each epoch the shard files are permuted from ``(seed, epoch)`` and rank ``r`` of
+``W`` takes every W-th one starting at ``r``, so ranks never read the same shard
+in an epoch and any number of shards >= W works (ranks may hold one more shard
+than others; each rank's stream simply runs on into its next epoch).  Instances
+inside a shard are permuted from ``(seed, epoch, shard)``.  A batch may span two
+shards; the position after each batch (epoch, shard index, offset) is all a
+checkpoint needs to resume the stream exactly.
+
+A background thread reads and converts the next batches while the step runs;
+h5py reads whole shards (one sequential read each), which is what the legacy
+format's small files are made for.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+
+from bert_trainer.model import IGNORE
+
+KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids",
+        "next_sentence_labels")
+
+
+class DataError(ValueError):
+    """Shards that cannot feed this run (missing, too few, wrong shapes); names the file."""
+
+
+@dataclass(frozen=True)
+class Position:
+    epoch: int = 0
+    shard: int = 0  # index into this rank's shard list of the epoch
+    offset: int = 0  # instances of that shard already consumed
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, S] int64
+    segment_ids: torch.Tensor  # [B, S] int64
+    input_mask: torch.Tensor  # [B, S] int8, 1 for real tokens
+    masked_lm_positions: torch.Tensor  # [B, P] int64, 0 in unused slots
+    masked_lm_labels: torch.Tensor  # [B, P] int64, IGNORE in unused slots
+    next_sentence_labels: torch.Tensor  # [B] int64
+    position: Position  # of the stream after this batch
+
+    def to(self, device: torch.device) -> Batch:
+        if device.type == "cpu":
+            return self
+        moved = {name: getattr(self, name).to(device, non_blocking=True)
+                 for name in ("input_ids", "segment_ids", "input_mask", "masked_lm_positions",
+                              "masked_lm_labels", "next_sentence_labels")}
+        return Batch(**moved, position=self.position)
+
+
+def shard_files(folder: Path) -> list[Path]:
+    if not folder.is_dir():
+        raise DataError(f"--input_dir {folder} is not a directory",)
+    files = sorted(p for p in folder.iterdir() if p.suffix in (".hdf5", ".h5")
+                   and not p.name.startswith("."))
+    if not files:
+        raise DataError(f"--input_dir {folder} holds no .hdf5 shards "
+                        "(prepare them with python -m bert_trainer.dataset prepare)")
+    return files
+
+
+class ShardStream:
+    """This rank's endless stream of micro-batches, starting at ``start``."""
+
+    def __init__(self, files: list[Path], rank: int, world_size: int, seed: int,
+                 micro_batch: int, seq_len: int, max_pred: int, vocab_size: int,
+                 start: Position | None = None) -> None:
+        if len(files) < world_size:
+            raise DataError(f"{len(files)} shard(s) in {files[0].parent} for {world_size} "
+                            "ranks: every rank reads distinct shards, so there must be at "
+                            "least as many shards as ranks")
+        self.files, self.rank, self.world_size, self.seed = files, rank, world_size, seed
+        self.micro_batch, self.seq_len, self.max_pred = micro_batch, seq_len, max_pred
+        self.vocab_size = vocab_size
+        self.start = start or Position()
+
+    def shards_of_epoch(self, epoch: int) -> list[int]:
+        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.files))
+        return [int(i) for i in order[self.rank::self.world_size]]
+
+    def load(self, index: int, epoch: int) -> dict[str, np.ndarray]:
+        path = self.files[index]
+        try:
+            with h5py.File(path, "r") as handle:
+                arrays = {key: handle[key][()] for key in KEYS}
+        except (OSError, KeyError) as exc:
+            raise DataError(f"{path}: not a BERT HDF5 shard ({exc})") from None
+        count, seq_len = arrays["input_ids"].shape
+        if seq_len != self.seq_len or arrays["masked_lm_positions"].shape[1] != self.max_pred:
+            raise DataError(
+                f"{path}: sequences of {seq_len} tokens with "
+                f"{arrays['masked_lm_positions'].shape[1]} predictions, but this run has "
+                f"--max_seq_length={self.seq_len} --max_predictions_per_seq={self.max_pred}")
+        if count and int(arrays["input_ids"].max()) >= self.vocab_size:
+            raise DataError(f"{path}: token id {int(arrays['input_ids'].max())} is outside the "
+                            f"model's vocabulary of {self.vocab_size} (check --config_file)")
+        order = np.random.default_rng([self.seed, epoch, index]).permutation(count)
+        return {key: value[order] for key, value in arrays.items()}
+
+    def __iter__(self) -> Iterator[Batch]:
+        epoch, shard, offset = self.start.epoch, self.start.shard, self.start.offset
+        pending: list[dict[str, np.ndarray]] = []
+        have = 0
+        empty_epochs = 0
+        while True:
+            shards = self.shards_of_epoch(epoch)
+            produced = False
+            while shard < len(shards):
+                arrays = self.load(shards[shard], epoch)
+                count = len(arrays["input_ids"])
+                while offset < count:
+                    take = min(self.micro_batch - have, count - offset)
+                    pending.append({k: v[offset:offset + take] for k, v in arrays.items()})
+                    have += take
+                    offset += take
+                    produced = True
+                    if have == self.micro_batch:
+                        yield to_batch(pending, Position(epoch, shard, offset))
+                        pending, have = [], 0
+                shard, offset = shard + 1, 0
+            empty_epochs = 0 if produced else empty_epochs + 1
+            if empty_epochs > 1:
+                raise DataError(f"the shards of rank {self.rank} in {self.files[0].parent} "
+                                "hold no instances")
+            epoch, shard = epoch + 1, 0
+
+
+def to_batch(parts: list[dict[str, np.ndarray]], position: Position) -> Batch:
+    """Shard rows (one or more slices) -> tensors with labels for the loss."""
+    arrays = {key: np.concatenate([p[key] for p in parts]) for key in KEYS}
+    positions = arrays["masked_lm_positions"].astype(np.int64)
+    # The first 0 ends the list of predictions (position 0 is [CLS], never masked).
+    used = np.cumprod(positions != 0, axis=1).astype(bool)
+    labels = np.where(used, arrays["masked_lm_ids"], IGNORE).astype(np.int64)
+    return Batch(
+        input_ids=torch.from_numpy(arrays["input_ids"].astype(np.int64)),
+        segment_ids=torch.from_numpy(arrays["segment_ids"].astype(np.int64)),
+        input_mask=torch.from_numpy(arrays["input_mask"].astype(np.int8)),
+        masked_lm_positions=torch.from_numpy(np.where(used, positions, 0)),
+        masked_lm_labels=torch.from_numpy(labels),
+        next_sentence_labels=torch.from_numpy(
+            arrays["next_sentence_labels"].astype(np.int64).reshape(-1)),
+        position=position)
+
+
+class Prefetcher:
+    """Runs an iterator in a daemon thread, ``depth`` items ahead; re-raises its errors."""
+
+    _DONE = object()
+
+    def __init__(self, source: Iterator, depth: int = 4, pin_memory: bool = False) -> None:
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._pin = pin_memory
+        self._thread = threading.Thread(target=self._run, args=(iter(source),), daemon=True,
+                                        name="bert-prefetch")
+        self._thread.start()
+
+    def _put(self, item: object) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self, source: Iterator) -> None:
+        try:
+            for item in source:
+                if self._pin:
+                    item = _pinned(item)
+                if not self._put(item):
+                    return
+            self._put(self._DONE)
+        except BaseException as exc:  # handed to the consumer, raised there
+            self._put(exc)
+
+    def __iter__(self) -> Prefetcher:
+        return self
+
+    def __next__(self) -> Batch:
+        item = self._queue.get()
+        if item is self._DONE:
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def _pinned(batch: Batch) -> Batch:
+    pinned = {name: getattr(batch, name).pin_memory()
+              for name in ("input_ids", "segment_ids", "input_mask", "masked_lm_positions",
+                           "masked_lm_labels", "next_sentence_labels")}
+    return Batch(**pinned, position=batch.position)

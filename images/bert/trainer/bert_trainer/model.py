@@ -1,0 +1,162 @@
+"""BERT with the pre-training heads, written for speed on GPUs.
+
+- Attention goes through ``F.scaled_dot_product_attention``, which picks the
+  flash or memory-efficient fused kernel on GPUs (a padding mask rules out only
+  the flash one) and the math path on CPUs.
+- Linear layers that feed a pointwise epilogue run without their bias, and the
+  epilogues (bias + GeLU; bias + dropout + residual + LayerNorm) are plain
+  functions of whole tensors, so ``torch.compile`` fuses each into one kernel.
+- The MLM head runs only at the ``max_predictions_per_seq`` masked slots of each
+  sequence (about 15% of the tokens), and its decoder shares the word embedding
+  matrix, whose rows are padded to a multiple of 8.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bert_trainer.config import BertConfig
+
+IGNORE = -100  # label of unused masked-LM slots (F.cross_entropy's ignore_index)
+
+
+def bias_gelu(bias: torch.Tensor, y: torch.Tensor, approximate: str) -> torch.Tensor:
+    return F.gelu(y + bias, approximate=approximate)
+
+
+def bias_dropout_add_layernorm(y: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor,
+                               norm: nn.LayerNorm, p: float, training: bool) -> torch.Tensor:
+    return norm(residual + F.dropout(y + bias, p, training))
+
+
+class Embeddings(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.padded_vocab_size, config.hidden_size)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings,
+                                                config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = config.hidden_dropout_prob
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        summed = (self.word_embeddings(input_ids) + self.position_embeddings(positions)
+                  + self.token_type_embeddings(token_type_ids))
+        return F.dropout(self.LayerNorm(summed), self.dropout, self.training)
+
+
+class Layer(nn.Module):
+    """One post-LayerNorm transformer layer (BERT's layout)."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        h, f = config.hidden_size, config.intermediate_size
+        self.heads = config.num_attention_heads
+        self.qkv = nn.Linear(h, 3 * h)  # query, key and value in one matmul
+        self.attention_out = nn.Linear(h, h)
+        self.attention_norm = nn.LayerNorm(h, eps=config.layer_norm_eps)
+        self.intermediate = nn.Linear(h, f)
+        self.output = nn.Linear(f, h)
+        self.output_norm = nn.LayerNorm(h, eps=config.layer_norm_eps)
+        self.hidden_dropout = config.hidden_dropout_prob
+        self.attention_dropout = config.attention_probs_dropout_prob
+        self.approximate = "none" if config.hidden_act == "gelu" else "tanh"
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        batch, seq, hidden = x.shape
+        qkv = self.qkv(x).view(batch, seq, 3, self.heads, hidden // self.heads)
+        query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, heads, S, d]
+        context = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask,
+            dropout_p=self.attention_dropout if self.training else 0.0)
+        context = context.transpose(1, 2).reshape(batch, seq, hidden)
+        x = bias_dropout_add_layernorm(F.linear(context, self.attention_out.weight),
+                                       self.attention_out.bias, x, self.attention_norm,
+                                       self.hidden_dropout, self.training)
+        inner = bias_gelu(self.intermediate.bias, F.linear(x, self.intermediate.weight),
+                          self.approximate)
+        return bias_dropout_add_layernorm(F.linear(inner, self.output.weight), self.output.bias,
+                                          x, self.output_norm, self.hidden_dropout,
+                                          self.training)
+
+
+class BertForPreTraining(nn.Module):
+    """Encoder + masked-LM head (tied decoder) + next-sentence head."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.embeddings = Embeddings(config)
+        self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_hidden_layers))
+        self.mlm_transform = nn.Linear(h, h)
+        self.mlm_norm = nn.LayerNorm(h, eps=config.layer_norm_eps)
+        self.mlm_bias = nn.Parameter(torch.zeros(config.padded_vocab_size))
+        self.pooler = nn.Linear(h, h)
+        self.nsp = nn.Linear(h, 2)
+        self.approximate = "none" if config.hidden_act == "gelu" else "tanh"
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, 0.0, std)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+        if isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor,
+                attention_mask: torch.Tensor, masked_lm_positions: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """MLM logits [B, P, padded vocab] at the masked slots and NSP logits [B, 2]."""
+        # True where a key may be attended to, broadcast over heads and queries.
+        keep = attention_mask.bool()[:, None, None, :]
+        x = self.embeddings(input_ids, token_type_ids)
+        for layer in self.layers:
+            x = layer(x, keep)
+        hidden = x.shape[-1]
+        index = masked_lm_positions.long().unsqueeze(-1).expand(-1, -1, hidden)
+        at_masks = torch.gather(x, 1, index)  # [B, P, H]: only the masked positions
+        transformed = self.mlm_norm(bias_gelu(self.mlm_transform.bias,
+                                              F.linear(at_masks, self.mlm_transform.weight),
+                                              self.approximate))
+        mlm_logits = F.linear(transformed, self.embeddings.word_embeddings.weight, self.mlm_bias)
+        pooled = torch.tanh(self.pooler(x[:, 0]))
+        return mlm_logits, self.nsp(pooled)
+
+    def no_decay_names(self) -> set[str]:
+        """Biases and LayerNorm parameters: LAMB applies no weight decay to them."""
+        names = set()
+        for module_name, module in self.named_modules():
+            for name, _ in module.named_parameters(recurse=False):
+                full = f"{module_name}.{name}" if module_name else name
+                if isinstance(module, nn.LayerNorm) or name.endswith("bias"):
+                    names.add(full)
+        return names
+
+
+def pretraining_loss(mlm_logits: torch.Tensor, mlm_labels: torch.Tensor,
+                     nsp_logits: torch.Tensor, nsp_labels: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mean MLM cross-entropy over real masked slots + mean NSP cross-entropy, in fp32.
+
+    Returns (loss, correct MLM predictions, real masked slots): the last two as
+    tensors, so reading them does not synchronize the device until logging.
+    """
+    flat_logits = mlm_logits.reshape(-1, mlm_logits.shape[-1]).float()
+    flat_labels = mlm_labels.reshape(-1).long()
+    mlm = F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE)
+    nsp = F.cross_entropy(nsp_logits.float(), nsp_labels.long())
+    real = flat_labels != IGNORE
+    correct = ((flat_logits.argmax(-1) == flat_labels) & real).sum()
+    return mlm + nsp, correct, real.sum()
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+

@@ -1,0 +1,285 @@
+"""BERT pre-training (phase 1 or 2), one process per GPU, under Slurm, torchrun or alone.
+
+Examples::
+
+    # one node, 8 GPUs, phase 1 at sequence length 128
+    torchrun --nproc-per-node 8 -m bert_trainer.pretrain --input_dir=/data/phase1 \\
+        --output_dir=/checkpoints --train_batch_size=8192 --gradient_accumulation_steps=32 \\
+        --learning_rate=6e-3 --warmup_proportion=0.2843 --max_steps=7038 --bf16
+
+    # the same from Slurm (rank and rendezvous from SLURM_*): what run.sub does
+    srun python3 -m bert_trainer.pretrain ... --resume_from_checkpoint
+
+    # phase 2 from phase 1's last checkpoint, with a fresh schedule
+    ... --phase2 --init_checkpoint=/checkpoints --max_seq_length=512 \\
+        --max_predictions_per_seq=80 --learning_rate=4e-3 --warmup_proportion=0.128
+
+``--train_batch_size`` is per GPU *after* accumulation (global batch =
+train_batch_size x GPUs); each micro-step runs train_batch_size /
+gradient_accumulation_steps sequences.  SIGTERM or SIGUSR1 (Slurm's warning
+before a time limit, and preemption) makes every rank stop after the current
+step, write a checkpoint and exit with status 3, so the job script can requeue
+itself; ``--resume_from_checkpoint`` continues exactly where it stopped.
+
+Exit status: 0 done, 1 bad data/config/checkpoint, 2 bad flags, 3 stopped by a
+signal after checkpointing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+EXIT_STOPPED = 3
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    doc = __doc__ or ""
+    parser = argparse.ArgumentParser(
+        prog="python -m bert_trainer.pretrain", description=doc.split("\n\n")[0],
+        epilog="\n\n".join(doc.split("\n\n")[1:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    data = parser.add_argument_group("data and files")
+    data.add_argument("--input_dir", required=True, type=Path,
+                      help="folder of HDF5 shards for this phase (e.g. DATA/phase1)")
+    data.add_argument("--output_dir", required=True, type=Path,
+                      help="checkpoints go to OUTPUT_DIR/phase<N>/ckpt_<step>.pt")
+    data.add_argument("--results_dir", type=Path, default=None,
+                      help="also append the JSON log lines to RESULTS_DIR/bert_phase<N>.jsonl")
+    data.add_argument("--config_file", type=Path, default=None,
+                      help="bert_config.json (default: BERT-Large)")
+    data.add_argument("--max_seq_length", type=int, default=128)
+    data.add_argument("--max_predictions_per_seq", type=int, default=20)
+    batch = parser.add_argument_group("batch and schedule")
+    batch.add_argument("--train_batch_size", type=int, default=32,
+                       help="sequences per GPU per optimizer step, after accumulation")
+    batch.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    batch.add_argument("--learning_rate", type=float, default=6e-3)
+    batch.add_argument("--warmup_proportion", type=float, default=0.2843)
+    batch.add_argument("--max_steps", type=int, default=7038,
+                       help="optimizer steps of this phase (the schedule's length)")
+    batch.add_argument("--weight_decay", type=float, default=0.01)
+    batch.add_argument("--max_grad_norm", type=float, default=1.0)
+    batch.add_argument("--seed", type=int, default=12345)
+    phase = parser.add_argument_group("phases and checkpoints")
+    phase.add_argument("--phase2", action="store_true",
+                       help="phase 2: start from --init_checkpoint with a fresh schedule")
+    phase.add_argument("--init_checkpoint", type=Path, default=None,
+                       help="phase 1 checkpoint file, or a folder holding phase1/ckpt_*.pt")
+    phase.add_argument("--resume_from_checkpoint", action="store_true",
+                       help="continue from this phase's latest checkpoint if there is one")
+    phase.add_argument("--num_steps_per_checkpoint", type=int, default=200)
+    phase.add_argument("--keep_checkpoints", type=int, default=3)
+    speed = parser.add_argument_group("precision and speed")
+    precision = speed.add_mutually_exclusive_group()
+    for name in ("bf16", "fp16", "fp32"):
+        precision.add_argument(f"--{name}", dest="precision", action="store_const", const=name)
+    speed.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                       help="torch.compile the model (default: on with a GPU, off on CPU)")
+    speed.add_argument("--prefetch", type=int, default=4, help="micro-batches read ahead")
+    speed.add_argument("--log_freq", type=int, default=1, help="optimizer steps per log line")
+    speed.add_argument("--peak_tflops", type=float, default=None,
+                       help="per-GPU peak for MFU (default: from the GPU's name)")
+    speed.add_argument("--loss_scale_growth_interval", type=int, default=2000,
+                       help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    for name in ("train_batch_size", "gradient_accumulation_steps", "max_steps",
+                 "max_seq_length", "max_predictions_per_seq", "num_steps_per_checkpoint",
+                 "log_freq", "prefetch"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1")
+    if args.train_batch_size % args.gradient_accumulation_steps:
+        parser.error(f"--train_batch_size {args.train_batch_size} is not a multiple of "
+                     f"--gradient_accumulation_steps {args.gradient_accumulation_steps}")
+    if not 0 <= args.warmup_proportion <= 1:
+        parser.error("--warmup_proportion must be between 0 and 1")
+    if args.max_predictions_per_seq > args.max_seq_length:
+        parser.error("--max_predictions_per_seq cannot exceed --max_seq_length")
+    return args
+
+
+class StopRequest:
+    """Remembers SIGTERM/SIGUSR1; the loop acts on it between optimizer steps."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        for number in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(number, self._note)
+
+    def _note(self, number: int, _frame: object) -> None:
+        self.signal = number
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch.distributed as dist
+
+    from bert_trainer.checkpoint import CheckpointError
+    from bert_trainer.config import ConfigError
+    from bert_trainer.data import DataError
+    from bert_trainer.distributed import placement
+
+    where = placement()
+    try:
+        return _train(args, where)
+    except (DataError, ConfigError, CheckpointError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(args: argparse.Namespace, where) -> int:  # noqa: ANN001 - Placement
+    import torch
+    import torch.distributed as dist
+
+    from bert_trainer import checkpoint
+    from bert_trainer.config import BertConfig
+    from bert_trainer.data import Position, Prefetcher, ShardStream, shard_files
+    from bert_trainer.metrics import JsonLog, Throughput, peak_tflops
+    from bert_trainer.model import BertForPreTraining, count_parameters
+    from bert_trainer.trainer import Trainer, default_precision
+
+    stop = StopRequest()
+    distributed = where.world_size > 1
+    use_cuda = torch.cuda.is_available()
+    device = torch.device("cuda", where.local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if distributed:
+        os.environ.update(MASTER_ADDR=where.master_addr, MASTER_PORT=str(where.master_port))
+        dist.init_process_group("nccl" if use_cuda else "gloo", rank=where.rank,
+                                world_size=where.world_size, init_method="env://")
+    rank, world = where.rank, where.world_size
+    phase = 2 if args.phase2 else 1
+    log = JsonLog(args.results_dir / f"bert_phase{phase}.jsonl" if args.results_dir else None,
+                  enabled=rank == 0)
+    config = BertConfig.load(args.config_file)
+    precision = args.precision or default_precision(device)
+    compile_model = use_cuda if args.compile is None else args.compile
+    micro_batch = args.train_batch_size // args.gradient_accumulation_steps
+    files = shard_files(args.input_dir)  # before building the model: fail fast
+
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    model = BertForPreTraining(config)
+    ckpt_dir = checkpoint.phase_dir(args.output_dir, phase)
+    resume = checkpoint.latest(ckpt_dir) if args.resume_from_checkpoint else None
+    if phase == 2 and resume is None:
+        if args.init_checkpoint is None:
+            raise checkpoint.CheckpointError(
+                "phase 2 starts from a phase 1 checkpoint: pass --init_checkpoint")
+        source = checkpoint.resolve_init(args.init_checkpoint)
+        model.load_state_dict(checkpoint.load(source)["model"])
+    trainer = Trainer(model, device, precision, args.learning_rate, args.warmup_proportion,
+                      args.max_steps, args.gradient_accumulation_steps, distributed,
+                      compile_model, args.weight_decay, args.max_grad_norm,
+                      args.loss_scale_growth_interval)
+    torch.manual_seed(args.seed + rank)  # dropout differs across ranks
+    start = Position()
+    if resume is not None:
+        saved = checkpoint.load(resume)
+        trainer.load_state_dict(saved)
+        if saved["world_size"] == world:
+            start = Position(**saved["data"][rank])
+            checkpoint.restore_rng(saved["rng"][rank], device)
+        else:  # another shape: the data order restarts at the next epoch
+            start = Position(epoch=max(p["epoch"] for p in saved["data"]) + 1)
+    stream = ShardStream(files, rank, world, args.seed, micro_batch, args.max_seq_length,
+                         args.max_predictions_per_seq, config.padded_vocab_size, start)
+    batches = Prefetcher(stream, depth=args.prefetch, pin_memory=use_cuda)
+    global_batch = args.train_batch_size * world
+    throughput = Throughput(global_batch, args.max_seq_length,
+                            config.training_flops_per_sequence(args.max_seq_length,
+                                                               args.max_predictions_per_seq),
+                            world, peak_tflops(device, precision, args.peak_tflops))
+    log.write({"event": "start", "phase": phase, "step": trainer.step_count,
+               "resumed_from": str(resume) if resume else None, "world_size": world,
+               "device": torch.cuda.get_device_name(device) if use_cuda else "cpu",
+               "precision": precision, "compile": compile_model,
+               "parameters": count_parameters(model), "global_batch": global_batch,
+               "micro_batch": micro_batch,
+               "gradient_accumulation_steps": args.gradient_accumulation_steps,
+               "max_steps": args.max_steps, "shards": len(files)})
+
+    def save_checkpoint() -> Path | None:
+        positions: list = [None] * world
+        rngs: list = [None] * world
+        mine = (last_position.to_dict(), checkpoint.rng_state(device))
+        if distributed:
+            gathered: list = [None] * world
+            dist.all_gather_object(gathered, mine)
+            positions, rngs = [g[0] for g in gathered], [g[1] for g in gathered]
+        else:
+            positions, rngs = [mine[0]], [mine[1]]
+        if rank != 0:
+            return None
+        payload = {"format": checkpoint.FORMAT, "phase": phase, "step": trainer.step_count,
+                   "world_size": world, "data": positions, "rng": rngs,
+                   **trainer.state_dict()}
+        return checkpoint.save(ckpt_dir, trainer.step_count, payload, args.keep_checkpoints)
+
+    last_position = start
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, correct, predicted, steps
+    saved_at: Path | None = None
+    started = time.perf_counter()
+    exit_code = 0
+    try:
+        while trainer.step_count < args.max_steps:
+            micro = [next(batches).to(device) for _ in range(args.gradient_accumulation_steps)]
+            learning_rate = trainer.learning_rate  # the rate this step uses
+            stats = trainer.step(micro)
+            last_position = micro[-1].position
+            if stats.skipped:
+                continue
+            throughput.step()
+            sums += torch.stack([stats.loss.double(), stats.correct.double(),
+                                 stats.predicted.double(), torch.ones((), device=device,
+                                                                     dtype=torch.float64)])
+            step = trainer.step_count
+            if step % args.log_freq == 0 or step == args.max_steps:
+                if distributed:
+                    dist.all_reduce(sums)
+                loss, correct, predicted, counted = sums.tolist()
+                sums.zero_()
+                record = {"event": "step", "step": step, "loss": round(loss / counted, 6),
+                          "mlm_accuracy": round(correct / max(predicted, 1), 4),
+                          "learning_rate": learning_rate,
+                          "grad_norm": round(float(trainer.optimizer.last_grad_norm), 6),
+                          **throughput.report()}
+                if precision == "fp16":
+                    record["loss_scale"] = trainer.scaler.get_scale()
+                log.write(record)
+            if step % args.num_steps_per_checkpoint == 0 and step < args.max_steps:
+                saved_at = save_checkpoint() or saved_at
+            requested = stop.signal is not None
+            if distributed:  # every rank stops at the same step, whichever got the signal
+                flag = torch.tensor([float(requested)], device=device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                requested = bool(flag.item())
+            if requested and step < args.max_steps:
+                saved_at = save_checkpoint()
+                log.write({"event": "stopped", "step": step, "signal": stop.signal,
+                           "checkpoint": str(saved_at) if saved_at else None})
+                exit_code = EXIT_STOPPED
+                break
+        else:
+            saved_at = save_checkpoint()
+    finally:
+        batches.close()
+    if exit_code == 0:
+        log.write({"event": "summary", "phase": phase, "steps": trainer.step_count,
+                   "seconds": round(time.perf_counter() - started, 2),
+                   "checkpoint": str(saved_at) if saved_at else None, **throughput.summary()})
+    log.close()
+    return exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""One optimizer step of BERT pre-training: accumulation, precision, DDP, LAMB, schedule.
+
+The gradient all-reduce happens once per optimizer step: every micro-batch but
+the last runs under DDP's ``no_sync``, and DDP keeps gradients as views into its
+communication buckets (``gradient_as_bucket_view``), so nothing is copied
+between them.  Each micro-batch's loss is divided by the accumulation count, so
+N micro-batches of B/N give the gradient of one batch of B.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from bert_trainer.data import Batch
+from bert_trainer.lamb import Lamb, parameter_groups
+from bert_trainer.model import BertForPreTraining, pretraining_loss
+from bert_trainer.schedule import poly_warmup
+
+Precision = Literal["bf16", "fp16", "fp32"]
+
+
+def default_precision(device: torch.device) -> Precision:
+    """bf16 where the GPU has it, fp16 on older GPUs, fp32 on CPUs."""
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "fp32"
+
+
+@dataclass
+class StepStats:
+    loss: torch.Tensor  # mean over micro-batches, on the device (no sync until read)
+    correct: torch.Tensor
+    predicted: torch.Tensor
+    skipped: bool  # fp16 only: the step was dropped for inf/NaN gradients
+
+
+class Trainer:
+    def __init__(self, model: BertForPreTraining, device: torch.device, precision: Precision,
+                 learning_rate: float, warmup_proportion: float, total_steps: int,
+                 accumulation: int, distributed: bool = False, compile_model: bool = False,
+                 weight_decay: float = 0.01, max_grad_norm: float = 1.0,
+                 loss_scale_growth_interval: int = 2000) -> None:
+        self.model = model.to(device)
+        self.device, self.precision, self.accumulation = device, precision, accumulation
+        self.optimizer = Lamb(parameter_groups(model, weight_decay, model.no_decay_names()),
+                              lr=learning_rate, weight_decay=weight_decay,
+                              max_grad_norm=max_grad_norm)
+        self.scheduler = poly_warmup(self.optimizer, total_steps, warmup_proportion)
+        # Dynamic loss scaling for fp16: halve on inf/NaN (the step is skipped), double
+        # after `growth_interval` clean steps.  A no-op for bf16 and fp32.
+        self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16",
+                                           growth_interval=loss_scale_growth_interval)
+        self.ddp: DistributedDataParallel | None = None
+        module: torch.nn.Module = self.model
+        if distributed:
+            self.ddp = DistributedDataParallel(
+                self.model, device_ids=[device.index] if device.type == "cuda" else None,
+                gradient_as_bucket_view=True, broadcast_buffers=False)
+            module = self.ddp
+        # Compiling the DDP module lets dynamo split graphs at bucket boundaries, so the
+        # all-reduce still overlaps the backward pass.
+        self.forward_module = torch.compile(module) if compile_model else module
+        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+
+    @property
+    def step_count(self) -> int:
+        return self.scheduler.last_epoch
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def step(self, micro_batches: list[Batch]) -> StepStats:
+        """Forward/backward every micro-batch, then one LAMB step (unless fp16 overflowed)."""
+        loss_sum = torch.zeros((), device=self.device)
+        correct = torch.zeros((), dtype=torch.long, device=self.device)
+        predicted = torch.zeros((), dtype=torch.long, device=self.device)
+        for index, batch in enumerate(micro_batches):
+            last = index == len(micro_batches) - 1
+            sync = (self.ddp.no_sync() if self.ddp is not None and not last
+                    else contextlib.nullcontext())
+            with sync:
+                with self._autocast():
+                    mlm_logits, nsp_logits = self.forward_module(
+                        batch.input_ids, batch.segment_ids, batch.input_mask,
+                        batch.masked_lm_positions)
+                loss, hits, count = pretraining_loss(mlm_logits, batch.masked_lm_labels,
+                                                     nsp_logits, batch.next_sentence_labels)
+                self.scaler.scale(loss / len(micro_batches)).backward()
+            loss_sum += loss.detach()
+            correct += hits
+            predicted += count
+        skipped = False
+        if self.scaler.is_enabled():
+            scale_before = self.scaler.get_scale()
+            self.scaler.unscale_(self.optimizer)  # LAMB clips the true gradient norm
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            skipped = self.scaler.get_scale() < scale_before
+        else:
+            self.optimizer.step()
+        if not skipped:
+            self.scheduler.step()
+        # With bucket views, DDP's gradients must stay allocated: zero them instead.
+        self.optimizer.zero_grad(set_to_none=self.ddp is None)
+        return StepStats(loss_sum / len(micro_batches), correct, predicted, skipped)
+
+    @property
+    def learning_rate(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler.is_enabled() and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
