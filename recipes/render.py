@@ -22,7 +22,7 @@ import jinja2
 from imgpipe.pipeline.files import atomic_write
 from imgpipe.recipes.errors import RecipeError
 from imgpipe.recipes.profiles import Profile
-from imgpipe.recipes.scaling import Shape, shape_for
+from imgpipe.recipes.scaling import PHASES, Shape, shape_for
 from imgpipe.registry.errors import ReferenceFormatError
 from imgpipe.registry.reference import Reference
 
@@ -151,6 +151,8 @@ def render_bundle(inputs: RecipeInputs, folder: Path, phases: tuple[int, ...] = 
         "env": _environment(inputs),
         "bench": "all_reduce_perf" if inputs.nccl_image else "pytorch",
         "max_bytes": "8G" if profile.is_gpu else "64M",
+        "phases": [(p, PHASES[p]["seq_len"], PHASES[p]["max_pred"]) for p in sorted(PHASES)],
+        "config_names": [shape.config_name for shape in shapes],
     }
     templates = _jinja()
     written = []

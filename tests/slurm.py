@@ -117,6 +117,7 @@ def one_node_slurm(root: Path) -> Iterator[Slurm]:
         wait_for(node_idle, 60, "the Slurm node", interval=0.5)
         yield slurm
     finally:
+        _cancel_jobs(env)
         for proc in reversed(daemons):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
@@ -127,3 +128,40 @@ def one_node_slurm(root: Path) -> Iterator[Slurm]:
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
+        _kill_leftovers(conf)
+
+
+def _cancel_jobs(env: dict[str, str]) -> None:
+    """Cancel every job and give them a moment to end while the daemons still run."""
+    full = {**os.environ, **env}
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        subprocess.run(["scancel", "--full", f"--user={os.getuid()}"], env=full,
+                       capture_output=True, timeout=20)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            queue = subprocess.run(["squeue", "-h", "-o", "%i"], env=full, capture_output=True,
+                                   text=True, timeout=20)
+            if queue.returncode != 0 or not queue.stdout.strip():
+                break
+            time.sleep(0.5)
+
+
+def _kill_leftovers(conf: Path) -> None:
+    """slurmstepd daemonizes out of slurmd's process group, and job tasks are its children:
+    find them by the SLURM_CONF every one of them inherits, so nothing outlives the test."""
+    marker = f"SLURM_CONF={conf}".encode()
+    deadline = time.monotonic() + 10
+    while True:
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            with contextlib.suppress(OSError):
+                if marker in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+        if not found or time.monotonic() > deadline:
+            return
+        for pid in found:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)

@@ -28,6 +28,7 @@ signal after checkpointing.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import signal
 import sys
@@ -116,6 +117,8 @@ class StopRequest:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # `kill -USR2 <pid>` prints every thread's stack to stderr: for finding a hung rank.
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     import torch.distributed as dist
 
     from bert_trainer.checkpoint import CheckpointError
@@ -218,12 +221,16 @@ def _train(args: argparse.Namespace, where) -> int:  # noqa: ANN001 - Placement
             positions, rngs = [g[0] for g in gathered], [g[1] for g in gathered]
         else:
             positions, rngs = [mine[0]], [mine[1]]
-        if rank != 0:
-            return None
-        payload = {"format": checkpoint.FORMAT, "phase": phase, "step": trainer.step_count,
-                   "world_size": world, "data": positions, "rng": rngs,
-                   **trainer.state_dict()}
-        return checkpoint.save(ckpt_dir, trainer.step_count, payload, args.keep_checkpoints)
+        written = None
+        if rank == 0:
+            payload = {"format": checkpoint.FORMAT, "phase": phase, "step": trainer.step_count,
+                       "world_size": world, "data": positions, "rng": rngs,
+                       **trainer.state_dict()}
+            written = checkpoint.save(ckpt_dir, trainer.step_count, payload,
+                                      args.keep_checkpoints)
+        if distributed:  # no rank leaves (or exits) before the file is complete
+            dist.barrier()
+        return written
 
     last_position = start
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, correct, predicted, steps

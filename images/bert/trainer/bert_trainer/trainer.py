@@ -60,7 +60,7 @@ class Trainer:
         if distributed:
             self.ddp = DistributedDataParallel(
                 self.model, device_ids=[device.index] if device.type == "cuda" else None,
-                gradient_as_bucket_view=True, broadcast_buffers=False)
+                gradient_as_bucket_view=True)
             module = self.ddp
         # Compiling the DDP module lets dynamo split graphs at bucket boundaries, so the
         # all-reduce still overlaps the backward pass.
