@@ -21,6 +21,7 @@ PACKAGES=(
   slurm-wlm munge                    # a one-node Slurm for the recipes' tests
   shellcheck curl ca-certificates util-linux
   python3 python3-venv python3-pip
+  g++ python3-dev                    # torch.compile's CPU backend (the trainer's compile test)
 )
 
 log() { printf '[setup] %s\n' "$*" >&2; }

@@ -1,4 +1,5 @@
-"""One rank of the DDP-equivalence check: ``python -m tests.trainer_worker OUT STEPS ACCUM``.
+"""One rank of the DDP-equivalence check:
+``python -m tests.trainer_worker OUT STEPS ACCUM [compile]``.
 
 Every rank builds the same tiny BERT, takes its slice of the same global batch
 of 8 sequences per step, splits it into ACCUM micro-batches and runs the real
@@ -34,13 +35,13 @@ def global_batches(steps: int) -> list[dict[str, np.ndarray]]:
             for i in range(steps)]
 
 
-def main(out: str, steps: int, accumulation: int) -> int:
+def main(out: str, steps: int, accumulation: int, compile_model: bool) -> int:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world, init_method="env://")
     torch.manual_seed(0)
     trainer = Trainer(BertForPreTraining(TINY), torch.device("cpu"), "fp32", 1e-2, 0.25, steps,
-                      accumulation, distributed=world > 1)
+                      accumulation, distributed=world > 1, compile_model=compile_model)
     per_rank = GLOBAL_BATCH // world
     micro = per_rank // accumulation
     norms, losses = [], []
@@ -61,4 +62,5 @@ def main(out: str, steps: int, accumulation: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
+    sys.exit(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]),
+                  sys.argv[4:] == ["compile"]))
