@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -366,3 +367,20 @@ def test_prefetch_errors_reach_the_training_loop(tmp_path) -> None:
     with pytest.raises(DataError, match="corrupt"):
         next(fetched)
     fetched.close()
+
+
+def test_the_next_shard_is_read_while_the_current_one_is_consumed(tmp_path) -> None:
+    files = write_shards(tmp_path, shards=3, per_shard=10, seq_len=SEQ, max_pred=PRED,
+                         vocab_size=64)
+    started: list[int] = []
+
+    class Recording(ShardStream):
+        def load(self, index: int, epoch: int):
+            started.append(index)
+            return super().load(index, epoch)
+
+    stream = iter(Recording(files, 0, 1, 7, 5, SEQ, PRED, 64))
+    first = next(stream)  # the first batch of the first shard
+    assert first.position.shard == 0
+    time.sleep(0.5)
+    assert len(started) == 2  # the second shard was already being read

@@ -8,9 +8,10 @@ inside a shard are permuted from ``(seed, epoch, shard)``.  A batch may span two
 shards; the position after each batch (epoch, shard index, offset) is all a
 checkpoint needs to resume the stream exactly.
 
-A background thread reads and converts the next batches while the step runs;
-h5py reads whole shards (one sequential read each), which is what the legacy
-format's small files are made for.
+A background thread assembles the next batches while the step runs, and a
+second one reads the next shard while the current one is consumed; h5py reads
+whole shards (one sequential read each), which is what the legacy format's
+small files are made for.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -113,32 +115,47 @@ class ShardStream:
         order = np.random.default_rng([self.seed, epoch, index]).permutation(count)
         return {key: value[order] for key, value in arrays.items()}
 
-    def __iter__(self) -> Iterator[Batch]:
-        epoch, shard, offset = self.start.epoch, self.start.shard, self.start.offset
-        pending: list[dict[str, np.ndarray]] = []
-        have = 0
-        empty_epochs = 0
+    def _sequence(self) -> Iterator[tuple[int, int, int]]:
+        """(epoch, index in the epoch's list, file index) from the start position on."""
+        epoch, shard = self.start.epoch, self.start.shard
         while True:
             shards = self.shards_of_epoch(epoch)
-            produced = False
-            while shard < len(shards):
-                arrays = self.load(shards[shard], epoch)
+            for position in range(shard, len(shards)):
+                yield epoch, position, shards[position]
+            epoch, shard = epoch + 1, 0
+
+    def __iter__(self) -> Iterator[Batch]:
+        sequence = self._sequence()
+        offset = self.start.offset
+        pending: list[dict[str, np.ndarray]] = []
+        have = 0
+        empty_since: int | None = None  # epoch of the first of a run of empty shards
+        # One shard is read ahead while the current one is consumed, so crossing a shard
+        # boundary does not stall the step on a whole-file read.
+        with ThreadPoolExecutor(1, thread_name_prefix="bert-shard") as reader:
+            epoch, shard, index = next(sequence)
+            loading = reader.submit(self.load, index, epoch)
+            while True:
+                arrays = loading.result()
+                following = next(sequence)
+                loading = reader.submit(self.load, following[2], following[0])
                 count = len(arrays["input_ids"])
+                if count == 0:
+                    empty_since = epoch if empty_since is None else empty_since
+                    if epoch - empty_since > 1:  # two whole epochs without an instance
+                        raise DataError(f"the shards of rank {self.rank} in "
+                                        f"{self.files[0].parent} hold no instances")
+                else:
+                    empty_since = None
                 while offset < count:
                     take = min(self.micro_batch - have, count - offset)
                     pending.append({k: v[offset:offset + take] for k, v in arrays.items()})
                     have += take
                     offset += take
-                    produced = True
                     if have == self.micro_batch:
                         yield to_batch(pending, Position(epoch, shard, offset))
                         pending, have = [], 0
-                shard, offset = shard + 1, 0
-            empty_epochs = 0 if produced else empty_epochs + 1
-            if empty_epochs > 1:
-                raise DataError(f"the shards of rank {self.rank} in {self.files[0].parent} "
-                                "hold no instances")
-            epoch, shard = epoch + 1, 0
+                (epoch, shard, index), offset = following, 0
 
 
 def to_batch(parts: list[dict[str, np.ndarray]], position: Position) -> Batch:
