@@ -63,7 +63,9 @@ def one_node_slurm(root: Path) -> Iterator[Slurm]:
         "SlurmUser=root",
         "SlurmdUser=root",
         "AuthType=auth/munge",
-        f"AuthInfo=socket={socket_path}",
+        # cred_expire is also how long a requeued job waits before it may start again
+        # (default 120 s); starting it sooner fails with "Job credential revoked".
+        f"AuthInfo=socket={socket_path},cred_expire=10",
         f"StateSaveLocation={root / 'state'}",
         f"SlurmdSpoolDir={root / 'spool'}",
         f"SlurmctldPidFile={root / 'slurmctld.pid'}",

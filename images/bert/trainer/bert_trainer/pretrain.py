@@ -243,14 +243,13 @@ def _train(args: argparse.Namespace, where) -> int:  # noqa: ANN001 - Placement
             learning_rate = trainer.learning_rate  # the rate this step uses
             stats = trainer.step(micro)
             last_position = micro[-1].position
-            if stats.skipped:
-                continue
-            throughput.step()
-            sums += torch.stack([stats.loss.double(), stats.correct.double(),
-                                 stats.predicted.double(), torch.ones((), device=device,
-                                                                     dtype=torch.float64)])
             step = trainer.step_count
-            if step % args.log_freq == 0 or step == args.max_steps:
+            if not stats.skipped:  # an fp16 overflow step is retried with the next batch
+                throughput.step()
+                sums += torch.stack([stats.loss.double(), stats.correct.double(),
+                                     stats.predicted.double(),
+                                     torch.ones((), device=device, dtype=torch.float64)])
+            if not stats.skipped and (step % args.log_freq == 0 or step == args.max_steps):
                 if distributed:
                     dist.all_reduce(sums)
                 loss, correct, predicted, counted = sums.tolist()
@@ -263,7 +262,8 @@ def _train(args: argparse.Namespace, where) -> int:  # noqa: ANN001 - Placement
                 if precision == "fp16":
                     record["loss_scale"] = trainer.scaler.get_scale()
                 log.write(record)
-            if step % args.num_steps_per_checkpoint == 0 and step < args.max_steps:
+            if (not stats.skipped and step % args.num_steps_per_checkpoint == 0
+                    and step < args.max_steps):
                 saved_at = save_checkpoint() or saved_at
             requested = stop.signal is not None
             if distributed:  # every rank stops at the same step, whichever got the signal
