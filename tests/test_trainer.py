@@ -384,3 +384,16 @@ def test_the_next_shard_is_read_while_the_current_one_is_consumed(tmp_path) -> N
     assert first.position.shard == 0
     time.sleep(0.5)
     assert len(started) == 2  # the second shard was already being read
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_runs_train_end_to_end(precision, shards, tiny_config,
+                                               tmp_path) -> None:
+    result = pretrain(shards, tiny_config, tmp_path / "ckpt", "--max_steps=60",
+                      "--log_freq=20", f"--{precision}")
+    assert records(result.stdout, "start")[0]["precision"] == precision
+    steps = records(result.stdout)
+    assert all(math.isfinite(s["loss"]) for s in steps)
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    # Only fp16 scales the loss, and the scale is reported with each line.
+    assert all(("loss_scale" in s) == (precision == "fp16") for s in steps)
