@@ -38,12 +38,22 @@ from pathlib import Path
 EXIT_STOPPED = 3
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Examples kept as written; an option's default shown when it has a real one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     doc = __doc__ or ""
     parser = argparse.ArgumentParser(
         prog="python -m bert_trainer.pretrain", description=doc.split("\n\n")[0],
         epilog="\n\n".join(doc.split("\n\n")[1:]),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=_HelpFormatter)
     data = parser.add_argument_group("data and files")
     data.add_argument("--input_dir", required=True, type=Path,
                       help="folder of HDF5 shards for this phase (e.g. DATA/phase1)")
@@ -53,19 +63,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="also append the JSON log lines to RESULTS_DIR/bert_phase<N>.jsonl")
     data.add_argument("--config_file", type=Path, default=None,
                       help="bert_config.json (default: BERT-Large)")
-    data.add_argument("--max_seq_length", type=int, default=128)
-    data.add_argument("--max_predictions_per_seq", type=int, default=20)
+    data.add_argument("--max_seq_length", type=int, default=128,
+                      help="tokens per sequence: 128 in phase 1, 512 in phase 2")
+    data.add_argument("--max_predictions_per_seq", type=int, default=20,
+                      help="masked slots per sequence: 20 in phase 1, 80 in phase 2")
     batch = parser.add_argument_group("batch and schedule")
     batch.add_argument("--train_batch_size", type=int, default=32,
                        help="sequences per GPU per optimizer step, after accumulation")
-    batch.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    batch.add_argument("--learning_rate", type=float, default=6e-3)
-    batch.add_argument("--warmup_proportion", type=float, default=0.2843)
+    batch.add_argument("--gradient_accumulation_steps", type=int, default=1,
+                       help="micro-steps per optimizer step (one all-reduce per step)")
+    batch.add_argument("--learning_rate", type=float, default=6e-3, help="LAMB peak rate")
+    batch.add_argument("--warmup_proportion", type=float, default=0.2843,
+                       help="share of --max_steps spent warming up linearly")
     batch.add_argument("--max_steps", type=int, default=7038,
                        help="optimizer steps of this phase (the schedule's length)")
-    batch.add_argument("--weight_decay", type=float, default=0.01)
-    batch.add_argument("--max_grad_norm", type=float, default=1.0)
-    batch.add_argument("--seed", type=int, default=12345)
+    batch.add_argument("--weight_decay", type=float, default=0.01,
+                       help="for weights; biases and LayerNorm get none")
+    batch.add_argument("--max_grad_norm", type=float, default=1.0,
+                       help="clip all gradients together to this L2 norm")
+    batch.add_argument("--seed", type=int, default=12345,
+                       help="initial weights, dropout and the data order")
     phase = parser.add_argument_group("phases and checkpoints")
     phase.add_argument("--phase2", action="store_true",
                        help="phase 2: start from --init_checkpoint with a fresh schedule")
@@ -73,12 +90,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        help="phase 1 checkpoint file, or a folder holding phase1/ckpt_*.pt")
     phase.add_argument("--resume_from_checkpoint", action="store_true",
                        help="continue from this phase's latest checkpoint if there is one")
-    phase.add_argument("--num_steps_per_checkpoint", type=int, default=200)
-    phase.add_argument("--keep_checkpoints", type=int, default=3)
+    phase.add_argument("--num_steps_per_checkpoint", type=int, default=200,
+                       help="also on SIGTERM/SIGUSR1 and at the end")
+    phase.add_argument("--keep_checkpoints", type=int, default=3,
+                       help="the newest K are kept")
     speed = parser.add_argument_group("precision and speed")
     precision = speed.add_mutually_exclusive_group()
-    for name in ("bf16", "fp16", "fp32"):
-        precision.add_argument(f"--{name}", dest="precision", action="store_const", const=name)
+    meaning = {"bf16": "bf16 autocast (default on GPUs that have it)",
+               "fp16": "fp16 autocast with dynamic loss scaling (default on older GPUs)",
+               "fp32": "fp32, TF32 matmuls on GPUs (default on CPUs)"}
+    for name, text in meaning.items():
+        precision.add_argument(f"--{name}", dest="precision", action="store_const", const=name,
+                               help=text)
     speed.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                        help="torch.compile the model (default: on with a GPU, off on CPU)")
     speed.add_argument("--prefetch", type=int, default=4, help="micro-batches read ahead")
