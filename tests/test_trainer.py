@@ -151,6 +151,7 @@ def test_sigterm_checkpoints_and_resume_logs_the_same_losses(shards, tiny_config
     resumed_run = pretrain(shards, config, tmp_path / "b", *common)
     start = records(resumed_run.stdout, "start")[0]
     assert start["step"] == stopped["step"] and start["resumed_from"] == stopped["checkpoint"]
+    assert start["data_position"]["offset"] > 0  # mid-shard, where the stopped run left it
     resumed = records(resumed_run.stdout)
     assert resumed[0]["step"] == stopped["step"] + 1
     combined = [(s["step"], s["loss"], s["grad_norm"]) for s in first + resumed]
@@ -397,3 +398,30 @@ def test_mixed_precision_runs_train_end_to_end(precision, shards, tiny_config,
     assert steps[-1]["loss"] < steps[0]["loss"]
     # Only fp16 scales the loss, and the scale is reported with each line.
     assert all(("loss_scale" in s) == (precision == "fp16") for s in steps)
+
+
+def test_resuming_on_another_rank_count_restarts_the_data_at_the_next_epoch(
+        shards, tiny_config, tmp_path) -> None:
+    out = tmp_path / "ckpt"
+    pretrain(shards, tiny_config, out, "--max_steps=8", "--num_steps_per_checkpoint=4",
+             "--log_freq=4")
+    (out / "phase1" / "ckpt_8.pt").unlink()  # as if stopped at step 4
+    port = str(free_port())
+    argv = [*PRETRAIN, f"--input_dir={shards}", f"--output_dir={out}",
+            f"--config_file={tiny_config}", f"--max_seq_length={SEQ}",
+            f"--max_predictions_per_seq={PRED}", "--train_batch_size=16",
+            "--learning_rate=2e-2", "--warmup_proportion=0.05", "--max_steps=8",
+            "--log_freq=1", "--resume_from_checkpoint"]
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2",
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+             for r in range(2)]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][1][-2000:]
+    stdout = outputs[0][0]
+    assert records(stdout, "warning")[0]["message"] == (
+        "checkpoint from 1 ranks resumed on 2: data restarts at epoch 1")
+    assert records(stdout, "start")[0]["data_position"] == {"epoch": 1, "shard": 0,
+                                                            "offset": 0}
+    assert [s["step"] for s in records(stdout)] == [5, 6, 7, 8]
+    assert outputs[1][0] == ""  # only rank 0 logs

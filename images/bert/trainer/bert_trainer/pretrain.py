@@ -215,8 +215,10 @@ def _train(args: argparse.Namespace, where) -> int:  # noqa: ANN001 - Placement
         if saved["world_size"] == world:
             start = Position(**saved["data"][rank])
             checkpoint.restore_rng(saved["rng"][rank], device)
-        else:  # another shape: the data order restarts at the next epoch
+        else:  # another world size: positions do not map, so start the next epoch
             start = Position(epoch=max(p["epoch"] for p in saved["data"]) + 1)
+            log.write({"event": "warning", "message": f"checkpoint from {saved['world_size']} "
+                       f"ranks resumed on {world}: data restarts at epoch {start.epoch}"})
     stream = ShardStream(files, rank, world, args.seed, micro_batch, args.max_seq_length,
                          args.max_predictions_per_seq, config.padded_vocab_size, start)
     batches = Prefetcher(stream, depth=args.prefetch, pin_memory=use_cuda)
@@ -232,7 +234,8 @@ def _train(args: argparse.Namespace, where) -> int:  # noqa: ANN001 - Placement
                "parameters": count_parameters(model), "global_batch": global_batch,
                "micro_batch": micro_batch,
                "gradient_accumulation_steps": args.gradient_accumulation_steps,
-               "max_steps": args.max_steps, "shards": len(files)})
+               "max_steps": args.max_steps, "shards": len(files),
+               "data_position": start.to_dict()})
 
     def save_checkpoint() -> Path | None:
         positions: list = [None] * world
