@@ -48,13 +48,12 @@ def batches(config: BertConfig, count: int, size: int, seq_len: int, max_pred: i
                      Position()).to(device) for i in range(count)]
 
 
-def measure(config: BertConfig, device: torch.device, precision: str, compile_model: bool,
-            shape: dict, steps: int, warmup: int) -> dict:
-    torch.backends.cuda.matmul.allow_tf32 = precision != "fp32-strict"
-    torch.backends.cudnn.allow_tf32 = precision != "fp32-strict"
-    autocast = "fp32" if precision == "fp32-strict" else precision
+def measure(config: BertConfig, device: torch.device, precision: str, tf32: bool,
+            compile_model: bool, shape: dict, steps: int, warmup: int) -> dict:
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
     torch.manual_seed(0)
-    trainer = Trainer(BertForPreTraining(config), device, autocast, 1e-3, 0.1,
+    trainer = Trainer(BertForPreTraining(config), device, precision, 1e-3, 0.1,
                       steps + warmup, 1, compile_model=compile_model)
     data = batches(config, 4, shape["micro_batch"], shape["seq_len"], shape["max_pred"], device)
 
@@ -75,7 +74,7 @@ def measure(config: BertConfig, device: torch.device, precision: str, compile_mo
     seconds = time.perf_counter() - started
     sequences = steps * shape["micro_batch"] / seconds
     flops = config.training_flops_per_sequence(shape["seq_len"], shape["max_pred"])
-    peak = peak_tflops(device, autocast, None)
+    peak = peak_tflops(device, precision, None)
     result = {"precision": precision, "compile": compile_model,
               "micro_batch": shape["micro_batch"], "sequences_per_s": round(sequences, 1),
               "tflops_per_s": round(sequences * flops / 1e12, 1),
@@ -121,12 +120,12 @@ def main() -> int:
             shape["micro_batch"] = args.micro_batch or 8
         runs = []
         if not args.no_baseline:
-            runs.append(("baseline fp32 eager", "fp32-strict", False))
+            runs.append(("baseline fp32 eager", "fp32", False, False))
         compiled = device.type == "cuda"
-        runs.append((f"imgpipe {fast}{' compiled' if compiled else ''}", fast, compiled))
+        runs.append((f"imgpipe {fast}{' compiled' if compiled else ''}", fast, True, compiled))
         base = None
-        for label, precision, compile_model in runs:
-            out = measure(config, device, precision, compile_model, shape, args.steps,
+        for label, precision, tf32, compile_model in runs:
+            out = measure(config, device, precision, tf32, compile_model, shape, args.steps,
                           args.warmup)
             base = base or out["sequences_per_s"]
             ratio = out["sequences_per_s"] / base

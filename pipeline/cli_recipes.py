@@ -119,7 +119,8 @@ def render(ctx: click.Context, profile_name: str, nodes: int, phase: str, output
         nccl_image=_pin(settings, "nccl-tests", "ngc") if profile.is_gpu else None,
         data_dir=recipes_cfg.data_dir, checkpoint_dir=recipes_cfg.checkpoint_dir,
         results_dir=recipes_cfg.results_dir, dataset_source=recipes_cfg.dataset_source,
-        vocab=recipes_cfg.vocab, partition=recipes_cfg.partition,
+        vocab=recipes_cfg.vocab, bert_config=recipes_cfg.bert_config,
+        partition=recipes_cfg.partition,
         walltime_minutes=recipes_cfg.walltime_minutes, env=extra)
     folder = output or settings.path(settings.outputs.recipes_dir) / f"{profile.name}-{nodes}n"
     phases = (1, 2) if phase == "both" else (int(phase),)

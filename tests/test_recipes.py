@@ -389,3 +389,14 @@ def test_run_sub_checkpoints_on_the_time_limit_signal_and_requeues_itself(tmp_pa
     assert restarts[1]["resumed_from"] == stopped["checkpoint"]
     assert restarts[1]["step"] == stopped["step"]
     assert "requeueing job" in log.read_text()
+
+
+def test_site_paths_from_the_config_reach_the_scripts(cli, tmp_path: Path) -> None:
+    cli.write_config({"recipes": {"bert_config": "/site/models/bert base.json",
+                                  "data_dir": "/site/data"}})
+    code, _, err = cli("recipes", "render", "--profile", "dgx1", "--nodes", "1", "--image",
+                       PINNED, "-o", str(tmp_path))
+    assert code == 0, err
+    script = (tmp_path / "run.sub").read_text()
+    assert "default_bert_config='/site/models/bert base.json'" in script
+    assert "default_datadir=/site/data" in script

@@ -326,6 +326,8 @@ def test_bad_input_is_one_clear_line(shards, tiny_config, tmp_path) -> None:
     small = tmp_path / "small.json"
     small.write_text(json.dumps({**json.loads(tiny_config.read_text()), "vocab_size": 16}))
     assert "outside the model's vocabulary of 16" in fails(f"--config_file={small}")
+    assert fails(f"--output_dir={small}/checkpoints") == (
+        f"error: Not a directory: {small}/checkpoints/phase1")
 
 
 def test_fewer_shards_than_ranks_is_refused(tiny_config, tmp_path) -> None:

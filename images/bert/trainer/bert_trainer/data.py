@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -57,18 +57,23 @@ class Batch:
     next_sentence_labels: torch.Tensor  # [B] int64
     position: Position  # of the stream after this batch
 
+    TENSORS = ("input_ids", "segment_ids", "input_mask", "masked_lm_positions",
+               "masked_lm_labels", "next_sentence_labels")
+
+    def map(self, change: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+        """The same batch with ``change`` applied to every tensor."""
+        return Batch(**{name: change(getattr(self, name)) for name in self.TENSORS},
+                     position=self.position)
+
     def to(self, device: torch.device) -> Batch:
         if device.type == "cpu":
             return self
-        moved = {name: getattr(self, name).to(device, non_blocking=True)
-                 for name in ("input_ids", "segment_ids", "input_mask", "masked_lm_positions",
-                              "masked_lm_labels", "next_sentence_labels")}
-        return Batch(**moved, position=self.position)
+        return self.map(lambda tensor: tensor.to(device, non_blocking=True))
 
 
 def shard_files(folder: Path) -> list[Path]:
     if not folder.is_dir():
-        raise DataError(f"--input_dir {folder} is not a directory",)
+        raise DataError(f"--input_dir {folder} is not a directory")
     files = sorted(p for p in folder.iterdir() if p.suffix in (".hdf5", ".h5")
                    and not p.name.startswith("."))
     if not files:
@@ -202,7 +207,7 @@ class Prefetcher:
         try:
             for item in source:
                 if self._pin:
-                    item = _pinned(item)
+                    item = item.map(torch.Tensor.pin_memory)
                 if not self._put(item):
                     return
             self._put(self._DONE)
@@ -224,9 +229,3 @@ class Prefetcher:
         self._stop.set()
         self._thread.join(timeout=5)
 
-
-def _pinned(batch: Batch) -> Batch:
-    pinned = {name: getattr(batch, name).pin_memory()
-              for name in ("input_ids", "segment_ids", "input_mask", "masked_lm_positions",
-                           "masked_lm_labels", "next_sentence_labels")}
-    return Batch(**pinned, position=batch.position)

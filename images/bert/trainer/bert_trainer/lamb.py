@@ -39,9 +39,9 @@ class Lamb(torch.optim.Optimizer):
         return [[p for p in group["params"] if p.grad is not None]
                 for group in self.param_groups]
 
-    @torch.no_grad()
-    def global_grad_norm(self) -> torch.Tensor:
-        grads = [p.grad for params in self._params_with_grads() for p in params]
+    @staticmethod
+    def _global_norm(groups: list[list[torch.Tensor]]) -> torch.Tensor:
+        grads = [p.grad for params in groups for p in params]
         if not grads:
             return torch.zeros(())
         return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
@@ -49,11 +49,12 @@ class Lamb(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001 - torch's signature
         loss = closure() if closure is not None else None
-        norm = self.global_grad_norm()
+        groups = self._params_with_grads()
+        norm = self._global_norm(groups)
         self.last_grad_norm = norm
         # Scale by max_norm / norm only when the norm exceeds it (a tensor: no host sync).
         clip = self.max_grad_norm / torch.clamp(norm, min=self.max_grad_norm)
-        for group, params in zip(self.param_groups, self._params_with_grads(), strict=True):
+        for group, params in zip(self.param_groups, groups, strict=True):
             if not params:
                 continue
             group["step"] += 1

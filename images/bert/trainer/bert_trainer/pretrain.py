@@ -149,11 +149,20 @@ def main(argv: list[str] | None = None) -> int:
     from bert_trainer.data import DataError
     from bert_trainer.distributed import placement
 
-    where = placement()
+    try:
+        where = placement()
+    except ValueError as exc:
+        print(f"error: rank variables (RANK/WORLD_SIZE or SLURM_*) are not numbers: {exc}",
+              file=sys.stderr, flush=True)
+        return 1
     try:
         return _train(args, where)
     except (DataError, ConfigError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except OSError as exc:  # unwritable --output_dir/--results_dir, full disk: name the path
+        print(f"error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "),
+              file=sys.stderr, flush=True)
         return 1
     finally:
         if dist.is_initialized():
@@ -196,6 +205,8 @@ def _train(args: argparse.Namespace, where) -> int:  # noqa: ANN001 - Placement
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = BertForPreTraining(config)
     ckpt_dir = checkpoint.phase_dir(args.output_dir, phase)
+    if rank == 0:  # an unwritable --output_dir fails now, not at the first checkpoint
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
     resume = checkpoint.latest(ckpt_dir) if args.resume_from_checkpoint else None
     if phase == 2 and resume is None:
         if args.init_checkpoint is None:
@@ -238,15 +249,12 @@ def _train(args: argparse.Namespace, where) -> int:  # noqa: ANN001 - Placement
                "data_position": start.to_dict()})
 
     def save_checkpoint() -> Path | None:
-        positions: list = [None] * world
-        rngs: list = [None] * world
         mine = (last_position.to_dict(), checkpoint.rng_state(device))
+        gathered: list = [mine]
         if distributed:
-            gathered: list = [None] * world
+            gathered = [None] * world
             dist.all_gather_object(gathered, mine)
-            positions, rngs = [g[0] for g in gathered], [g[1] for g in gathered]
-        else:
-            positions, rngs = [mine[0]], [mine[1]]
+        positions, rngs = [g[0] for g in gathered], [g[1] for g in gathered]
         written = None
         if rank == 0:
             payload = {"format": checkpoint.FORMAT, "phase": phase, "step": trainer.step_count,
