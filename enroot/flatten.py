@@ -264,6 +264,12 @@ class _Merger:
         self.children.setdefault(parent, set()).add(base)
 
 
+# Files that container runtimes bind the host's over (Docker injects them at run time, so
+# images lack them).  Enroot creates them itself; Charliecloud's ch-run binds only onto
+# files that exist in the image, so each squashfs carries them, empty, where missing.
+RUNTIME_MOUNT_POINTS = ("etc/hosts", "etc/resolv.conf")
+
+
 def merge(layers: list[LayerSource], rc_files: dict[str, tuple[str, int]] | None = None
           ) -> MergedView:
     """Pass 1: the final view of ``layers`` (bottom first), validated entry by entry."""
@@ -283,6 +289,10 @@ def merge(layers: list[LayerSource], rc_files: dict[str, tuple[str, int]] | None
         merger.remove(path)
         merger.put(path, Node("file", None))
         extra[path] = (content.encode(), mode)
+    for path in RUNTIME_MOUNT_POINTS:
+        if path not in merger.nodes and "etc" in merger.nodes:
+            merger.put(path, Node("file", None))
+            extra[path] = (b"", 0o644)
     return MergedView(merger.nodes, merger.children, counts, all_members, extra)
 
 

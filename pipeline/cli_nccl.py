@@ -11,7 +11,7 @@ from imgpipe.pipeline.cli import CONTEXT, reporting, settings_of
 from imgpipe.pipeline.errors import ConfigError
 from imgpipe.pipeline.output import Result
 from imgpipe.recipes.nccl import check as judge
-from imgpipe.recipes.nccl import parse
+from imgpipe.recipes.nccl import parse, verdict_line
 from imgpipe.recipes.ncclinfo import analyze
 from imgpipe.recipes.profiles import load_profile
 
@@ -62,8 +62,7 @@ def check_command(ctx: click.Context, log: Path, profile_name: str, nodes: int |
     transport = analyze(text)
     lines = []
     for verdict in verdicts:
-        lines.append(f"{verdict.status.upper()}: {verdict.collective} on {verdict.ranks} rank(s)"
-                     f"{f' / {nodes} node(s)' if nodes else ''}: {verdict.reason}")
+        lines.append(verdict_line(verdict, nodes))
         lines.append(f"  out of bounds {verdict.out_of_bounds}, average bus bandwidth "
                      f"{verdict.avg_busbw:.2f} GB/s, peak {verdict.peak_busbw:.2f} GB/s, "
                      f"expected {verdict.expected_busbw:g} GB/s ({profile.name})")

@@ -15,6 +15,7 @@ from imgpipe.pipeline.output import Result
 from imgpipe.pipeline.wiring import registry_client, registry_credentials
 from imgpipe.recipes.profiles import load_profile
 from imgpipe.recipes.render import RecipeInputs, render_bundle
+from imgpipe.recipes.runtimes import RUNTIMES
 from imgpipe.recipes.scaling import table as shape_table
 from imgpipe.registry.reference import Reference
 
@@ -32,6 +33,18 @@ def _pin(settings: Settings, image: str, flavor: str) -> str | None:
     if entry.squashfs and Path(entry.squashfs).is_file():
         return entry.squashfs
     return entry.pinned
+
+
+def _refuse_loopback(pinned: str, profile_name: str) -> None:
+    """Compute nodes pull from the registry themselves: 127.0.0.1 is each node's own."""
+    if pinned.startswith(("/", "./")) or profile_name == "local":
+        return
+    host = Reference.parse(pinned).registry.rsplit(":", 1)[0].strip("[]")
+    if host in ("localhost", "::1") or host.startswith("127."):
+        raise ConfigError(f"the pinned image {pinned} is on {host}, which compute nodes "
+                          "cannot reach",
+                          hint="set registry.host in imgpipe.yaml to the head node's name, "
+                          "push again, or convert it and pin the squashfs file")
 
 
 @click.group(context_settings=CONTEXT)
@@ -79,9 +92,12 @@ def table(ctx: click.Context, profile_name: str, max_nodes: int) -> Result:
               show_default=True, help="Which phase's config files to render.")
 @click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Folder for the bundle (default: outputs.recipes_dir/PROFILE-Nn).")
-@click.option("--runtime", type=click.Choice(["pyxis", "host"]), default="pyxis",
-              show_default=True, help="pyxis: srun --container-image; host: the same steps "
-              "with software installed on the nodes.")
+@click.option("--runtime", type=click.Choice(list(RUNTIMES)), default="pyxis",
+              show_default=True, help="pyxis: srun --container-image (Enroot); charliecloud: "
+              "srun ch-run on the squashfs file; host: the same steps with software installed "
+              "on the nodes.")
+@click.option("--adjust-global-batch", is_flag=True, help="Let a GPU count that does not "
+              "divide the global batch (3, 12, 24 nodes) round it down to a multiple.")
 @click.option("--image", default=None, help="Pin this image instead of bert's from "
               "imgpipe.lock (a squashfs path or host:port/repo@sha256:…).")
 @click.option("--flavor", type=click.Choice(["ngc", "cpu"]), default=None)
@@ -89,8 +105,8 @@ def table(ctx: click.Context, profile_name: str, max_nodes: int) -> Result:
               help="Extra environment for every job (repeatable).")
 @reporting
 def render(ctx: click.Context, profile_name: str, nodes: int, phase: str, output: Path | None,
-           runtime: str, image: str | None, flavor: str | None, env: tuple[str, ...]
-           ) -> Result:
+           runtime: str, adjust_global_batch: bool, image: str | None, flavor: str | None,
+           env: tuple[str, ...]) -> Result:
     """Render run.sub, dataset.sub, nccl.sub and config_<N>x<G>x<B>x<A>.sh for a shape.
 
     The image is pinned to the digest imgpipe.lock recorded (its squashfs file
@@ -102,11 +118,16 @@ def render(ctx: click.Context, profile_name: str, nodes: int, phase: str, output
     """
     settings = settings_of(ctx)
     profile = load_profile(profile_name, _profiles_dir(settings))
+    if flavor is None and image is None and profile.is_gpu and settings.default_flavor == "cpu":
+        raise ConfigError(f"{profile.name} is a GPU profile but the default flavor is cpu",
+                          hint="pass --flavor ngc (or --flavor cpu to mean it), or set "
+                          "default_flavor: ngc in imgpipe.yaml")
     flavor = flavor or settings.default_flavor
     pinned = image or _pin(settings, "bert", flavor)
     if pinned is None:
         raise ConfigError(f"imgpipe.lock has no pushed bert/{flavor} to pin",
                           hint="imgpipe build bert && imgpipe push (or pass --image)")
+    _refuse_loopback(pinned, profile.name)
     extra = {}
     for item in env:
         name, sep, value = item.partition("=")
@@ -121,7 +142,8 @@ def render(ctx: click.Context, profile_name: str, nodes: int, phase: str, output
         results_dir=recipes_cfg.results_dir, dataset_source=recipes_cfg.dataset_source,
         vocab=recipes_cfg.vocab, bert_config=recipes_cfg.bert_config,
         partition=recipes_cfg.partition,
-        walltime_minutes=recipes_cfg.walltime_minutes, env=extra)
+        walltime_minutes=recipes_cfg.walltime_minutes, env=extra,
+        adjust_global_batch=adjust_global_batch)
     folder = output or settings.path(settings.outputs.recipes_dir) / f"{profile.name}-{nodes}n"
     phases = (1, 2) if phase == "both" else (int(phase),)
     bundle = render_bundle(inputs, folder, phases)

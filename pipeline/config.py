@@ -122,8 +122,8 @@ class RecipesConfig(_Strict):
     results_dir: str = "/lustre/bert/results"
     dataset_source: str = "/lustre/bert/source"
     vocab: str = "/lustre/bert/vocab.txt"
-    bert_config: str = Field(default="/opt/bert/bert_config.json",
-                             description="the model's config as run.sub's tasks see it")
+    bert_config: str = Field(default="",
+                             description="a host file with the model config (empty: the image's)")
     partition: str | None = None
     walltime_minutes: int = Field(default=480, ge=1)
 

@@ -36,6 +36,14 @@ PACKAGE_OF = {
     "debootstrap": "debootstrap",
     "htpasswd": "apache2-utils",
     "enroot": "enroot (https://github.com/NVIDIA/enroot/releases)",
+    "ch-run": "charliecloud-runtime",
+    "squashfuse": "squashfuse",
+    "munged": "munge",
+    "slurmctld": "slurm-wlm",
+    "slurmd": "slurm-wlm",
+    "ip": "iproute2",
+    "unshare": "util-linux",
+    "runuser": "util-linux",
 }
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -196,3 +204,24 @@ def last_error_line(text: str) -> str:
         if "error" in lowered or "failed" in lowered or "denied" in lowered:
             return line
     return lines[-1] if lines else ""
+
+
+def spawn(argv: Sequence[str], log_path: str | os.PathLike[str], *,
+          env: Mapping[str, str] | None = None) -> int:
+    """Start a daemon in a process group of its own, output appended to ``log_path``.
+
+    Returns its pid; the caller stops it (``os.killpg``).  For services that outlive
+    one call (the sandbox cluster's daemons), never for work whose result is awaited.
+    """
+    argv = [str(a) for a in argv]
+    require(argv[0])
+    log.debug("spawn: %s", shlex.join(argv))
+    full_env = None if env is None else {**os.environ, **env}
+    with open(log_path, "ab") as handle:
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=handle,
+                                    stderr=subprocess.STDOUT, env=full_env,
+                                    start_new_session=True)
+        except OSError as exc:
+            raise CommandError(f"cannot run {argv[0]}: {exc.strerror}", argv=argv) from exc
+    return proc.pid

@@ -205,3 +205,10 @@ def check(runs: list[Run], expected_busbw: float, warn_fraction: float = 0.9,
         verdicts.append(Verdict(status, reason, run.collective, run.ranks, oob, avg, peak,
                                 expected_busbw, mismatched))
     return verdicts
+
+
+def verdict_line(verdict: Verdict, nodes: int | None = None) -> str:
+    """``PASS: all_reduce on 8 rank(s) / 2 node(s): …``: the line users and scripts read."""
+    where = f" / {nodes} node(s)" if nodes else ""
+    return (f"{verdict.status.upper()}: {verdict.collective} on {verdict.ranks} rank(s)"
+            f"{where}: {verdict.reason}")

@@ -15,18 +15,18 @@ import re
 import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import jinja2
 
 from imgpipe.pipeline.files import atomic_write
 from imgpipe.recipes.errors import RecipeError
+from imgpipe.recipes.ncclscript import check_program
 from imgpipe.recipes.profiles import Profile
+from imgpipe.recipes.runtimes import RUNTIMES, Runtime, prelude
 from imgpipe.recipes.scaling import PHASES, Shape, shape_for
 from imgpipe.registry.errors import ReferenceFormatError
 from imgpipe.registry.reference import Reference
 
-Runtime = Literal["pyxis", "host"]
 SBATCH_SAFE = re.compile(r"^[A-Za-z0-9_.:@+=,/-]{1,128}$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 SIGNAL_LEAD_S = 300
@@ -44,11 +44,12 @@ class RecipeInputs:
     results_dir: str = "/lustre/bert/results"
     dataset_source: str = "/lustre/bert/source"
     vocab: str = "/lustre/bert/vocab.txt"
-    bert_config: str = "/opt/bert/bert_config.json"
+    bert_config: str = ""  # a host file; empty: the image's own (BERT-Large)
     partition: str | None = None
     walltime_minutes: int = 480
     shards: int = 256
     env: dict[str, str] = field(default_factory=dict)
+    adjust_global_batch: bool = False
 
 
 def _sbatch_value(value: str, what: str) -> str:
@@ -96,6 +97,10 @@ def _environment(inputs: RecipeInputs) -> list[tuple[str, str]]:
     env: dict[str, str] = {}
     if inputs.profile.hcas:
         env["NCCL_IB_HCA"] = ",".join(inputs.profile.hcas)
+        if inputs.runtime == "pyxis":
+            # Enroot's Mellanox hook exposes the HCAs only when this is set; without it
+            # NCCL falls back to sockets inside the container.
+            env["MELLANOX_VISIBLE_DEVICES"] = "all"
     env.update(inputs.profile.nccl_env)
     env.update(inputs.profile.enroot_env)
     env.update(inputs.env)
@@ -124,11 +129,25 @@ class Bundle:
     image: str
 
 
+def max_bytes(profile: Profile) -> str:
+    """all_reduce_perf's largest message: its send and receive buffers (2x) must leave room
+    for NCCL on the smallest GPU (a quarter of its memory), at most 8G."""
+    if not profile.is_gpu:
+        return "64M"
+    gib = 1
+    while gib * 2 <= min(8, profile.gpu.memory_gb // 4):
+        gib *= 2
+    return f"{gib}G"
+
+
 def render_bundle(inputs: RecipeInputs, folder: Path, phases: tuple[int, ...] = (1, 2)
                   ) -> Bundle:
     """Write run.sub, dataset.sub, nccl.sub and one config file per phase into ``folder``."""
     profile = inputs.profile
-    shapes = [shape_for(profile, inputs.nodes, phase) for phase in phases]
+    if inputs.runtime not in RUNTIMES:
+        raise RecipeError(f"runtime {inputs.runtime!r} is not one of {', '.join(RUNTIMES)}")
+    shapes = [shape_for(profile, inputs.nodes, phase, inputs.adjust_global_batch)
+              for phase in phases]
     image = pinned_image(inputs.image)
     nccl_image = pinned_image(inputs.nccl_image) if inputs.nccl_image else image
     context = {
@@ -144,13 +163,15 @@ def render_bundle(inputs: RecipeInputs, folder: Path, phases: tuple[int, ...] = 
         "results_dir": _path(inputs.results_dir, "results directory"),
         "dataset_source": _path(inputs.dataset_source, "dataset source"),
         "vocab": _path(inputs.vocab, "vocabulary file"),
-        "bert_config": _path(inputs.bert_config, "BERT config file"),
-        "phase1_checkpoint": _path(inputs.checkpoint_dir, "checkpoint directory"),
+        "bert_config": _path(inputs.bert_config, "BERT config file")
+        if inputs.bert_config else "",
+        "prelude": prelude(inputs.runtime).rstrip("\n"),
+        "checker": check_program(profile.name, profile.busbw_gbs),
         "shards": int(inputs.shards),
         "dataset_tasks": max(1, profile.cores_per_node // 2),
         "env": _environment(inputs),
         "bench": "all_reduce_perf" if inputs.nccl_image else "pytorch",
-        "max_bytes": "8G" if profile.is_gpu else "64M",
+        "max_bytes": max_bytes(profile),
         "phases": [(p, PHASES[p]["seq_len"], PHASES[p]["max_pred"]) for p in sorted(PHASES)],
         "config_names": [shape.config_name for shape in shapes],
     }

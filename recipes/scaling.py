@@ -59,8 +59,14 @@ def micro_batch_for(profile: Profile, phase: int) -> int:
     return MICRO_BATCH[memory][phase - 1]
 
 
-def shape_for(profile: Profile, nodes: int, phase: int) -> Shape:
-    """The hyper-parameters for ``nodes`` nodes of ``profile``; ShapeError when impossible."""
+def shape_for(profile: Profile, nodes: int, phase: int, adjust_global_batch: bool = False
+              ) -> Shape:
+    """The hyper-parameters for ``nodes`` nodes of ``profile``; ShapeError when impossible.
+
+    A GPU count that does not divide the global batch (3, 12 or 24 nodes) is refused
+    unless ``adjust_global_batch``: the global batch is then the largest multiple of the
+    GPU count below the recipe's (65536 on 24 GPUs: 65520), with the same learning rate.
+    """
     if phase not in PHASES:
         raise ShapeError(f"phase must be 1 or 2, not {phase}")
     if nodes < 1:
@@ -73,11 +79,16 @@ def shape_for(profile: Profile, nodes: int, phase: int) -> Shape:
     if profile.bert.max_steps:
         max_steps = profile.bert.max_steps[phase - 1]
     gpus = nodes * profile.gpus_per_node
-    if global_batch % gpus:
+    if gpus > global_batch:
+        raise ShapeError(f"{gpus} GPUs exceed the global batch {global_batch} of phase {phase}")
+    if global_batch % gpus and adjust_global_batch:
+        global_batch -= global_batch % gpus
+    elif global_batch % gpus:
         raise ShapeError(
             f"{nodes} node(s) of {profile.name} give {gpus} GPUs, which do not divide the "
             f"global batch {global_batch} of phase {phase}",
-            hint="use a node count whose GPU count divides it (a power of two)")
+            hint="use a node count whose GPU count divides it (a power of two), or "
+            "--adjust-global-batch to round the batch down to a multiple of it")
     per_gpu = global_batch // gpus
     micro = min(micro_batch_for(profile, phase), per_gpu)
     while per_gpu % micro:  # the largest micro-batch that divides the per-GPU batch

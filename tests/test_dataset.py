@@ -216,31 +216,6 @@ def test_clean_wikitext_nested_templates() -> None:
     assert clean_wikitext("A {{a|{{b|{{c}}}}}} B.") == ["A B."]
 
 
-@pytest.mark.e2e
-def test_dataset_sub_runs_over_two_tasks_on_slurm(corpus, tmp_path: Path) -> None:
-    from imgpipe.recipes.profiles import load_profile
-    from imgpipe.recipes.render import RecipeInputs, render_bundle
-    from tests.slurm import one_node_slurm
-
-    source, vocab = corpus
-    data = tmp_path / "data"
-    render_bundle(RecipeInputs(load_profile("local"), 1, "/images/bert.sqsh", runtime="host",
-                               data_dir=str(data), dataset_source=str(source),
-                               vocab=str(vocab), shards=4), tmp_path / "recipes")
-    with one_node_slurm(tmp_path / "slurm") as slurm:
-        job = slurm.run("sbatch", "--wait", "-N1", "--ntasks=2", "-o", str(tmp_path / "job.out"),
-                        str(tmp_path / "recipes" / "dataset.sub"), cwd=tmp_path, timeout=600,
-                        extra_env={"PYTHON": sys.executable})
-        output = (tmp_path / "job.out").read_text()
-    assert job.returncode == 0, output[-3000:]
-    summary = json.loads((data / "summary.json").read_text())
-    assert len(summary["phases"]["1"]["instances_per_shard"]) == 4
-    assert sorted(p.name for p in (data / "phase1").glob("*.hdf5")) == [
-        f"shard_{i:05d}.hdf5" for i in range(4)]
-    ranks = {json.loads(x)["rank"] for x in output.splitlines() if '"stage": "shards"' in x}
-    assert ranks == {0, 1}  # both tasks did shards
-
-
 def test_download_resumes_a_partial_file(tmp_path: Path) -> None:
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer

@@ -4,7 +4,6 @@ the PyTorch all-reduce benchmark over gloo, and nccl.sub on the real one-node Sl
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -213,27 +212,3 @@ def test_pytorch_benchmark_over_gloo_is_accepted(ranks: int, cli, tmp_path: Path
     code, out, err = cli("nccl", "check", str(path), "--profile", "local")
     assert code == 0, out + err
     assert out.startswith(f"PASS: all_reduce on {ranks} rank(s)")
-
-
-@pytest.mark.e2e
-def test_nccl_sub_runs_the_pytorch_benchmark_on_slurm(tmp_path: Path) -> None:
-    from imgpipe.recipes.profiles import load_profile
-    from imgpipe.recipes.render import RecipeInputs, render_bundle
-    from tests.slurm import one_node_slurm
-
-    results = tmp_path / "results"
-    render_bundle(RecipeInputs(load_profile("local"), 1, "/images/bert.sqsh", runtime="host",
-                               results_dir=str(results)), tmp_path / "recipes")
-    venv_bin = Path(sys.executable).parent
-    with one_node_slurm(tmp_path / "slurm") as slurm:
-        job = slurm.run(
-            "sbatch", "--wait", "-N1", "--ntasks=2", "-o", str(tmp_path / "job.out"),
-            str(tmp_path / "recipes" / "nccl.sub"), cwd=tmp_path, timeout=600,
-            extra_env={"BENCH": "pytorch", "MAX_BYTES": "1M", "PYTHON": str(venv_bin / "python"),
-                       "IMGPIPE": str(venv_bin / "imgpipe"), "MASTER_ADDR": "127.0.0.1",
-                       "PATH": f"{venv_bin}:{os.environ['PATH']}"})
-        output = (tmp_path / "job.out").read_text()
-    assert job.returncode == 0, output[-3000:]
-    assert "PASS: all_reduce on 2 rank(s)" in output
-    [logfile] = results.glob("nccl-*.log")
-    assert parse(logfile.read_text())[0].ranks == 2

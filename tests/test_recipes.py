@@ -10,8 +10,6 @@ import json
 import os
 import shlex
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -195,37 +193,6 @@ def test_table_lists_only_shapes_that_keep_the_batch() -> None:
     assert shapes and all(s.global_batch % s.gpus == 0 for s in shapes)
 
 
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    from tests.slurm import one_node_slurm
-
-    with one_node_slurm(tmp_path_factory.mktemp("slurm")) as cluster:
-        yield cluster
-
-
-@pytest.mark.e2e
-@pytest.mark.parametrize("name", SHIPPED)
-def test_real_slurm_accepts_every_rendered_script(slurm, tmp_path: Path, name: str) -> None:
-    profile = load_profile(name)
-    nodes = 1 if name == "local" else 4
-    render_bundle(RecipeInputs(profile, nodes, PINNED), tmp_path)
-    for script in ("run.sub", "dataset.sub", "nccl.sub"):
-        # This Slurm has one node, so the node count is lowered on the command line; every
-        # #SBATCH line of the script (partition, time, signal, GPUs, ...) is still checked.
-        result = slurm.run("sbatch", "--test-only", "-N1", str(tmp_path / script))
-        assert result.returncode == 0, (script, result.stderr)
-        assert "to start at" in result.stderr
-
-
-@pytest.mark.e2e
-def test_real_slurm_refuses_a_broken_directive(slurm, tmp_path: Path) -> None:
-    render_bundle(RecipeInputs(load_profile("local"), 1, PINNED), tmp_path)
-    script = tmp_path / "run.sub"
-    script.write_text(script.read_text().replace("#SBATCH --requeue", "#SBATCH --requeue=maybe"))
-    result = slurm.run("sbatch", "--test-only", str(script))
-    assert result.returncode != 0  # the check above is not vacuous
-
-
 @pytest.mark.e2e
 def test_publish_then_pull_round_trips_byte_for_byte(cli, registry_server, tmp_path) -> None:
     cli.write_config({"registry": {"port": registry_server.port}})
@@ -256,139 +223,6 @@ def test_pulling_a_missing_tag_fails_clearly(cli, registry_server, tmp_path) -> 
         f"error: no recipe bundle {registry_server.address}/imgpipe/bert-recipes:nope in the "
         "registry (hint: list tags: imgpipe registry tags imgpipe/bert-recipes)")
     assert not (tmp_path / "x").exists()
-
-
-def _tiny_bert_config(vocab: Path, path: Path) -> Path:
-    from bert_trainer.config import TINY
-
-    words = len(vocab.read_text().splitlines())
-    values = json.loads(TINY.to_json())
-    values.update(vocab_size=words, max_position_embeddings=512)
-    path.write_text(json.dumps(values))
-    return path
-
-
-@pytest.mark.e2e
-def test_local_pipeline_prepares_trains_both_phases_and_checks_on_slurm(tmp_path: Path) -> None:
-    """dataset.sub -> run.sub phase 1 -> run.sub phase 2 -> nccl.sub, two tasks each, on the
-    real one-node Slurm with --runtime host: the whole cluster workflow at a toy size."""
-    from tests.slurm import one_node_slurm
-    from tests.test_dataset import PY as DATASET
-    from tests.test_dataset import make_corpus
-
-    source = make_corpus(tmp_path / "corpus", files=2, documents=30)
-    vocab = tmp_path / "vocab.txt"
-    subprocess.run([*DATASET, "train-vocab", "--source", str(source), "--output", str(vocab),
-                    "--vocab-size", "300"], check=True, capture_output=True, timeout=120)
-    data, checkpoints, results = tmp_path / "data", tmp_path / "ckpt", tmp_path / "results"
-    recipes = tmp_path / "recipes"
-    bundle = render_bundle(RecipeInputs(
-        load_profile("local"), 1, "/images/bert.sqsh", runtime="host", data_dir=str(data),
-        checkpoint_dir=str(checkpoints), results_dir=str(results), dataset_source=str(source),
-        vocab=str(vocab), bert_config=str(_tiny_bert_config(vocab, tmp_path / "bert.json")),
-        shards=4), recipes)
-    venv_bin = Path(sys.executable).parent
-    env = {"PYTHON": sys.executable, "IMGPIPE": str(venv_bin / "imgpipe"),
-           "MASTER_ADDR": "127.0.0.1", "PATH": f"{venv_bin}:{os.environ['PATH']}",
-           "CHECKPOINT_EVERY": "2"}
-
-    def submit(script: str, config: str | None, log: str) -> str:
-        sourced = f"source {shlex.quote(str(recipes / config))} && " if config else ""
-        command = (f"{sourced}sbatch --wait -N1 --ntasks-per-node=2 -o {shlex.quote(log)} "
-                   f"{shlex.quote(str(recipes / script))}")
-        job = slurm.run("bash", "-c", command, cwd=tmp_path, timeout=600, extra_env=env)
-        output = Path(log).read_text()
-        assert job.returncode == 0, (script, config, output[-3000:])
-        return output
-
-    phase1, phase2 = bundle.shapes
-    with one_node_slurm(tmp_path / "slurm") as slurm:
-        submit("dataset.sub", None, str(tmp_path / "dataset.out"))
-        train1 = submit("run.sub", phase1.config_name, str(tmp_path / "phase1.out"))
-        train2 = submit("run.sub", phase2.config_name, str(tmp_path / "phase2.out"))
-        check = submit("nccl.sub", None, str(tmp_path / "nccl.out"))
-    for phase, shape, output in ((1, phase1, train1), (2, phase2, train2)):
-        lines = [json.loads(x) for x in
-                 (results / f"bert_phase{phase}.jsonl").read_text().splitlines()]
-        start = next(x for x in lines if x["event"] == "start")
-        assert start["world_size"] == 2 and start["global_batch"] == shape.global_batch
-        steps = [x["step"] for x in lines if x["event"] == "step"]
-        assert steps == list(range(1, shape.max_steps + 1)), output[-2000:]
-        assert (checkpoints / f"phase{phase}" / f"ckpt_{shape.max_steps}.pt").is_file()
-        # The trainer read the dataset job's shards at this phase's sequence length.
-        assert start["shards"] == 4
-    assert "PASS: all_reduce on 2 rank(s)" in check
-
-
-@pytest.mark.e2e
-def test_run_sub_checkpoints_on_the_time_limit_signal_and_requeues_itself(tmp_path: Path
-                                                                          ) -> None:
-    """What Slurm does before a time limit (SIGUSR1 to the steps), done by hand: the trainer
-    checkpoints and exits 3, run.sub requeues the job, and the next run resumes there."""
-    from bert_trainer.synthetic import write_shards
-
-    from tests.services import free_port
-    from tests.slurm import one_node_slurm
-
-    data, checkpoints, results = tmp_path / "data", tmp_path / "ckpt", tmp_path / "results"
-    write_shards(data / "phase1", shards=2, per_shard=64, seq_len=128, max_pred=20,
-                 vocab_size=64)
-    config = tmp_path / "bert.json"
-    config.write_text(json.dumps({"vocab_size": 64, "hidden_size": 32,
-                                  "num_hidden_layers": 1, "num_attention_heads": 2,
-                                  "intermediate_size": 64, "max_position_embeddings": 128}))
-    recipes = tmp_path / "recipes"
-    bundle = render_bundle(RecipeInputs(
-        load_profile("local"), 1, "/images/bert.sqsh", runtime="host", data_dir=str(data),
-        checkpoint_dir=str(checkpoints), results_dir=str(results), bert_config=str(config)),
-        recipes, phases=(1,))
-    log = tmp_path / "job.out"
-    env = {"PYTHON": sys.executable, "MASTER_ADDR": "127.0.0.1", "CHECKPOINT_EVERY": "100000",
-           "MASTER_PORT": str(free_port())}
-    with one_node_slurm(tmp_path / "slurm") as slurm:
-        # Endless steps: only the signal ends the first run.
-        submitted = slurm.run("bash", "-c", (
-            f"source {recipes / bundle.shapes[0].config_name} && MAX_STEPS=1000000 sbatch "
-            f"--parsable -N1 --ntasks-per-node=2 -o {log} {recipes / 'run.sub'}"),
-            extra_env=env)
-        assert submitted.returncode == 0, submitted.stderr
-        job = submitted.stdout.strip().split(";")[0]
-        journal = results / "bert_phase1.jsonl"
-
-        def events() -> list[dict]:
-            if not journal.exists():
-                return []
-            return [json.loads(x) for x in journal.read_text().splitlines() if x.strip()]
-
-        def wait_until(predicate, what: str, seconds: float = 240) -> None:
-            deadline = time.monotonic() + seconds
-            while not predicate():
-                assert time.monotonic() < deadline, (
-                    what, slurm.run("scontrol", "show", "job", job).stdout,
-                    log.read_text()[-3000:] if log.exists() else "")
-                time.sleep(0.5)
-
-        try:
-            wait_until(lambda: any(e["event"] == "step" and e["step"] >= 3 for e in events()),
-                       "three training steps")
-            signalled = slurm.run("scancel", "--signal=USR1", job)
-            assert signalled.returncode == 0, signalled.stderr
-            wait_until(lambda: any(e["event"] == "stopped" for e in events()), "a checkpoint")
-
-            def restarted() -> bool:  # Slurm holds a requeued job for cred_expire (10 s)
-                kinds = [e["event"] for e in events()]
-                return kinds.count("start") >= 2 and kinds[-1] == "step"
-
-            wait_until(restarted, "the requeued job to train")
-        finally:
-            slurm.run("scancel", job)
-    stopped = next(e for e in events() if e["event"] == "stopped")
-    assert Path(stopped["checkpoint"]).name == f"ckpt_{stopped['step']}.pt"
-    restarts = [e for e in events() if e["event"] == "start"]
-    assert restarts[0]["resumed_from"] is None
-    assert restarts[1]["resumed_from"] == stopped["checkpoint"]
-    assert restarts[1]["step"] == stopped["step"]
-    assert "requeueing job" in log.read_text()
 
 
 def test_site_paths_from_the_config_reach_the_scripts(cli, tmp_path: Path) -> None:

@@ -19,10 +19,13 @@ train_batch_size x GPUs); each micro-step runs train_batch_size /
 gradient_accumulation_steps sequences.  SIGTERM or SIGUSR1 (Slurm's warning
 before a time limit, and preemption) makes every rank stop after the current
 step, write a checkpoint and exit with status 3, so the job script can requeue
-itself; ``--resume_from_checkpoint`` continues exactly where it stopped.
+itself; ``--resume_from_checkpoint`` continues exactly where it stopped.  With
+``--stop_record FILE`` the ranks exit 0 instead and rank 0 writes FILE once the
+checkpoint is complete and every rank has agreed to stop: a job script reads the
+file, and ``srun --kill-on-bad-exit`` never kills a rank still finishing.
 
-Exit status: 0 done, 1 bad data/config/checkpoint, 2 bad flags, 3 stopped by a
-signal after checkpointing.
+Exit status: 0 done (or stopped, with --stop_record), 1 bad data/config/checkpoint,
+2 bad flags, 3 stopped by a signal after checkpointing.
 """
 
 from __future__ import annotations
@@ -94,6 +97,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        help="also on SIGTERM/SIGUSR1 and at the end")
     phase.add_argument("--keep_checkpoints", type=int, default=3,
                        help="the newest K are kept")
+    phase.add_argument("--stop_record", type=Path, default=None,
+                       help="on a stop signal: write this file after the checkpoint and exit "
+                       "0 (job scripts requeue when it exists) instead of exiting 3")
     speed = parser.add_argument_group("precision and speed")
     precision = speed.add_mutually_exclusive_group()
     meaning = {"bf16": "bf16 autocast (default on GPUs that have it)",
@@ -208,12 +214,14 @@ def _train(args: argparse.Namespace, where) -> int:  # noqa: ANN001 - Placement
     if rank == 0:  # an unwritable --output_dir fails now, not at the first checkpoint
         ckpt_dir.mkdir(parents=True, exist_ok=True)
     resume = checkpoint.latest(ckpt_dir) if args.resume_from_checkpoint else None
+    initialized_from = None
     if phase == 2 and resume is None:
         if args.init_checkpoint is None:
             raise checkpoint.CheckpointError(
                 "phase 2 starts from a phase 1 checkpoint: pass --init_checkpoint")
         source = checkpoint.resolve_init(args.init_checkpoint)
         model.load_state_dict(checkpoint.load(source)["model"])
+        initialized_from = str(source)
     trainer = Trainer(model, device, precision, args.learning_rate, args.warmup_proportion,
                       args.max_steps, args.gradient_accumulation_steps, distributed,
                       compile_model, args.weight_decay, args.max_grad_norm,
@@ -239,7 +247,8 @@ def _train(args: argparse.Namespace, where) -> int:  # noqa: ANN001 - Placement
                                                                args.max_predictions_per_seq),
                             world, peak_tflops(device, precision, args.peak_tflops))
     log.write({"event": "start", "phase": phase, "step": trainer.step_count,
-               "resumed_from": str(resume) if resume else None, "world_size": world,
+               "resumed_from": str(resume) if resume else None,
+               "init_checkpoint": initialized_from, "world_size": world,
                "device": torch.cuda.get_device_name(device) if use_cuda else "cpu",
                "precision": precision, "compile": compile_model,
                "parameters": count_parameters(model), "global_batch": global_batch,
@@ -271,6 +280,7 @@ def _train(args: argparse.Namespace, where) -> int:  # noqa: ANN001 - Placement
     saved_at: Path | None = None
     started = time.perf_counter()
     exit_code = 0
+    stopped = False
     try:
         while trainer.step_count < args.max_steps:
             micro = [next(batches).to(device) for _ in range(args.gradient_accumulation_steps)]
@@ -308,18 +318,34 @@ def _train(args: argparse.Namespace, where) -> int:  # noqa: ANN001 - Placement
                 saved_at = save_checkpoint()
                 log.write({"event": "stopped", "step": step, "signal": stop.signal,
                            "checkpoint": str(saved_at) if saved_at else None})
-                exit_code = EXIT_STOPPED
+                if args.stop_record is not None:
+                    if rank == 0:
+                        _write_stop_record(args.stop_record, step, saved_at)
+                    if distributed:  # no rank exits before the record exists
+                        dist.barrier()
+                    exit_code = 0
+                else:
+                    exit_code = EXIT_STOPPED
+                stopped = True
                 break
         else:
             saved_at = save_checkpoint()
     finally:
         batches.close()
-    if exit_code == 0:
+    if not stopped:
         log.write({"event": "summary", "phase": phase, "steps": trainer.step_count,
                    "seconds": round(time.perf_counter() - started, 2),
                    "checkpoint": str(saved_at) if saved_at else None, **throughput.summary()})
     log.close()
     return exit_code
+
+
+def _write_stop_record(path: Path, step: int, checkpoint_path: Path | None) -> None:
+    """The stop record, written whole (temporary name, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_text(f"step={step}\ncheckpoint={checkpoint_path or ''}\n")
+    os.replace(partial, path)
 
 
 if __name__ == "__main__":

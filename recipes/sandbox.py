@@ -1,0 +1,523 @@
+"""A real multi-host Slurm cluster on one machine, for trying recipes before a real cluster.
+
+Each host is a network namespace with its own hostname (a UTS namespace per daemon),
+address and ``/etc/hosts`` (``ip netns exec`` binds ``/etc/netns/NAME/hosts`` over
+``/etc/hosts``), joined by veth pairs on a bridge.  The head host runs slurmctld (and,
+when asked, the registry); each compute host runs its own ``slurmd -N NAME``; one
+munged serves all of them (its socket is a file, which every namespace sees).
+
+The addresses exist only inside these namespaces and on the bridge, whose own address
+in the root namespace makes the whole range a connected route: traffic to it never
+leaves the machine.  ``up`` refuses a range that any existing route already covers.
+
+State (config, spool, logs, munge key, pids) lives in one folder; ``down`` reads it
+back, so a cluster started by one process (``imgpipe sandbox up``) is stopped by
+another, and stopping leaves nothing behind: jobs, daemons, job processes that
+slurmstepd daemonized, namespaces, links and ``/etc/netns`` entries.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from imgpipe.pipeline import process
+from imgpipe.recipes.errors import RecipeError
+
+STATE_FILE = "sandbox.json"
+MUNGE_SOCKET = "munge/munge.socket"
+SLURMD_PORT = 6818
+SLURMCTLD_PORT = 6817
+REGISTRY_PORT = 5000
+
+
+class SandboxError(RecipeError):
+    """The local cluster cannot be started, reached or stopped."""
+
+    code = "sandbox"
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str        # hostname inside the namespace, and Slurm's node name
+    namespace: str   # network namespace
+    address: str
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """What cluster to make.  ``name`` prefixes namespaces and links (at most 6 characters,
+    so several sandboxes can coexist); ``subnet`` is a /24 given by its first three octets."""
+
+    root: Path
+    name: str = "imgp"
+    subnet: str = "10.213.7"
+    compute_nodes: int = 2
+    cpus: int = 2
+    gpus: int = 8            # fake GPU device files, so GPU profiles' requests are accepted
+    memory_mb: int = 8000
+
+    @property
+    def network(self) -> ipaddress.IPv4Network:
+        return ipaddress.IPv4Network(f"{self.subnet}.0/24")
+
+    @property
+    def bridge(self) -> str:
+        return f"{self.name}br"
+
+    @property
+    def bridge_address(self) -> str:
+        return f"{self.subnet}.254"
+
+    @property
+    def head(self) -> Host:
+        return Host("head", f"{self.name}-head", f"{self.subnet}.1")
+
+    @property
+    def nodes(self) -> list[Host]:
+        return [Host(f"node{i}", f"{self.name}-node{i}", f"{self.subnet}.{10 + i}")
+                for i in range(1, self.compute_nodes + 1)]
+
+    @property
+    def hosts(self) -> list[Host]:
+        return [self.head, *self.nodes]
+
+
+@dataclass
+class State:
+    """What ``up`` made, written to ``root/sandbox.json`` as it goes."""
+
+    spec: dict[str, object]
+    namespaces: list[str] = field(default_factory=list)
+    links: list[str] = field(default_factory=list)
+    netns_dirs: list[str] = field(default_factory=list)
+    pids: dict[str, int] = field(default_factory=dict)
+
+
+def _check_name(spec: SandboxSpec) -> None:
+    if not spec.name.isalnum() or not 1 <= len(spec.name) <= 6:
+        raise SandboxError(f"sandbox name {spec.name!r} must be 1-6 letters or digits")
+    try:
+        ipaddress.IPv4Network(f"{spec.subnet}.0/24")
+    except ValueError as exc:
+        raise SandboxError(f"subnet {spec.subnet!r} is not the first three octets of a /24",
+                           hint="e.g. 10.213.7") from exc
+    if not 1 <= spec.compute_nodes <= 8:
+        raise SandboxError("a sandbox has 1 to 8 compute hosts")
+
+
+def _ip(*args: str, check: bool = True) -> process.Completed:
+    return process.run(["ip", *args], timeout=30, check=check, what=f"ip {' '.join(args[:3])}")
+
+
+def _routes_overlapping(network: ipaddress.IPv4Network) -> list[str]:
+    out = _ip("-j", "route", "show", "table", "all").stdout
+    found = []
+    for route in json.loads(out or "[]"):
+        dst = route.get("dst", "")
+        if dst in ("default", "") or ":" in dst:
+            continue
+        with contextlib.suppress(ValueError):
+            if ipaddress.IPv4Network(dst, strict=False).overlaps(network):
+                found.append(f"{dst} dev {route.get('dev', '?')}")
+    return found
+
+
+class Sandbox:
+    """A started (or startable) local cluster; ``up``/``down`` or ``with running(spec)``."""
+
+    def __init__(self, spec: SandboxSpec) -> None:
+        _check_name(spec)
+        self.spec = spec
+        self.root = spec.root.resolve()
+        self.conf = self.root / "slurm.conf"
+
+    # -- paths and commands --------------------------------------------------------------
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What a client command needs: the cluster's slurm.conf."""
+        return {"SLURM_CONF": str(self.conf)}
+
+    def on(self, host: Host | None, argv: Sequence[str], user: str | None = None,
+           env: Mapping[str, str] | None = None) -> list[str]:
+        """argv run on ``host`` (default: the head, where users log in), as ``user``."""
+        target = host or self.spec.head
+        values = {**self.env, **(env or {})}
+        if user is not None:
+            values.setdefault("USER", user)
+        prefix = ["ip", "netns", "exec", target.namespace]
+        if user is not None:
+            prefix += ["runuser", "-u", user, "--"]
+        assignments = [f"{k}={v}" for k, v in sorted(values.items())]
+        return [*prefix, "env", *assignments, *argv]
+
+    def run(self, argv: Sequence[str], *, user: str | None = None, host: Host | None = None,
+            env: Mapping[str, str] | None = None, timeout: float = 120,
+            cwd: str | os.PathLike[str] | None = None) -> subprocess.CompletedProcess[str]:
+        """A command on a host of the cluster; its result, whatever the exit status."""
+        return subprocess.run(self.on(host, argv, user, env), capture_output=True, text=True,
+                              timeout=timeout, cwd=cwd, stdin=subprocess.DEVNULL)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def _state_path(self) -> Path:
+        return self.root / STATE_FILE
+
+    def _save(self, state: State) -> None:
+        self._state_path().write_text(json.dumps(asdict(state), indent=2) + "\n")
+
+    def is_up(self) -> bool:
+        state = self._load()
+        return state is not None and all(_alive(pid) for pid in state.pids.values())
+
+    def _load(self) -> State | None:
+        try:
+            data = json.loads(self._state_path().read_text())
+        except (OSError, ValueError):
+            return None
+        return State(**data)
+
+    def up(self, *, registry_storage: Path | None = None, timeout: float = 60) -> None:
+        """Make the namespaces, start munged, slurmctld and one slurmd per compute host,
+        and wait until every node is idle.  Idempotent: an answering sandbox is kept."""
+        for program in ("ip", "unshare", "munged", "slurmctld", "slurmd", "sinfo"):
+            process.require(program)
+        if os.geteuid() != 0:
+            raise SandboxError("making network namespaces needs root",
+                               hint="run it as root (sudo imgpipe sandbox up)")
+        if self.is_up():
+            return
+        self.down()  # whatever a crashed earlier run left
+        overlapping = _routes_overlapping(self.spec.network)
+        if overlapping:
+            raise SandboxError(f"the sandbox range {self.spec.network} is already routed "
+                               f"here ({'; '.join(overlapping)})",
+                               hint="choose another subnet (--subnet)")
+        self.root.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, 0o755)  # jobs of every user read slurm.conf
+        state = State(spec={k: str(v) for k, v in asdict(self.spec).items()})
+        self._save(state)
+        try:
+            self._network(state)
+            self._write_config()
+            self._start_daemons(state, registry_storage)
+            self._wait_idle(state, timeout)
+        except BaseException:
+            self.down()
+            raise
+
+    def _network(self, state: State) -> None:
+        spec = self.spec
+        _ip("link", "add", spec.bridge, "type", "bridge")
+        state.links.append(spec.bridge)
+        self._save(state)
+        # The bridge's address makes the range a connected, local route in the root
+        # namespace before any daemon starts: nothing for it is sent anywhere else.
+        _ip("addr", "add", f"{spec.bridge_address}/24", "dev", spec.bridge)
+        _ip("link", "set", spec.bridge, "up")
+        hosts_file = "".join(f"{h.address} {h.name}\n" for h in spec.hosts)
+        hosts_file = f"127.0.0.1 localhost\n::1 localhost\n{hosts_file}"
+        for index, host in enumerate(spec.hosts):
+            _ip("netns", "add", host.namespace)
+            state.namespaces.append(host.namespace)
+            netns_dir = Path("/etc/netns") / host.namespace
+            netns_dir.mkdir(parents=True, exist_ok=True)
+            state.netns_dirs.append(str(netns_dir))
+            self._save(state)
+            (netns_dir / "hosts").write_text(hosts_file)
+            (netns_dir / "hostname").write_text(host.name + "\n")
+            outer, inner = f"{spec.name}v{index}", f"{spec.name}i{index}"
+            _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
+            state.links.append(outer)
+            self._save(state)
+            _ip("link", "set", inner, "netns", host.namespace)
+            _ip("link", "set", outer, "master", spec.bridge)
+            _ip("link", "set", outer, "up")
+            in_ns = ["netns", "exec", host.namespace, "ip"]
+            _ip(*in_ns, "link", "set", "lo", "up")
+            _ip(*in_ns, "link", "set", inner, "name", "eth0")
+            _ip(*in_ns, "addr", "add", f"{host.address}/24", "dev", "eth0")
+            _ip(*in_ns, "link", "set", "eth0", "up")
+
+    def _write_config(self) -> None:
+        spec, root = self.spec, self.root
+        for sub in ("state", "spool", "munge", "log", "dev"):
+            (root / sub).mkdir(exist_ok=True)
+        os.chmod(root / "munge", 0o711)
+        key = root / "munge" / "munge.key"
+        if not key.exists():
+            fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(os.urandom(1024))
+        for index in range(spec.gpus):
+            (root / "dev" / f"gpu{index}").touch()
+        last = spec.compute_nodes
+        gpus = f"Gres=gpu:{spec.gpus} " if spec.gpus else ""
+        node_lines = [f"NodeName={h.name} NodeAddr={h.address} NodeHostname={h.name} "
+                      f"CPUs={spec.cpus} RealMemory={spec.memory_mb} {gpus}State=UNKNOWN"
+                      for h in spec.nodes]
+        self.conf.write_text("\n".join([
+            f"ClusterName={spec.name}-sandbox",
+            f"SlurmctldHost={spec.head.name}({spec.head.address})",
+            f"SlurmctldPort={SLURMCTLD_PORT}",
+            f"SlurmdPort={SLURMD_PORT}",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            "AuthType=auth/munge",
+            # cred_expire is also how long a requeued job waits before it may start again
+            # (default 120 s); starting it sooner fails with "Job credential revoked".
+            f"AuthInfo=socket={root / MUNGE_SOCKET},cred_expire=10",
+            f"StateSaveLocation={root / 'state'}",
+            f"SlurmdSpoolDir={root / 'spool'}/%n",
+            f"SlurmctldPidFile={root / 'slurmctld.pid'}",
+            f"SlurmdPidFile={root / 'spool'}/slurmd-%n.pid",
+            f"SlurmctldLogFile={root / 'log' / 'slurmctld.log'}",
+            f"SlurmdLogFile={root / 'log'}/slurmd-%n.log",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "AccountingStorageType=accounting_storage/none",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_CPU",
+            "MpiDefault=none",
+            # Nodes are what slurm.conf says (CPUs, GPUs), whatever this machine has.
+            "SlurmdParameters=config_overrides",
+            "ReturnToService=2",
+            "SlurmdTimeout=30",
+            "KillWait=10",
+            "GresTypes=gpu",
+            *node_lines,
+            f"PartitionName=debug Nodes=node[1-{last}] Default=YES MaxTime=INFINITE "
+            "State=UP OverSubscribe=YES",
+            f"PartitionName=batch Nodes=node[1-{last}] MaxTime=INFINITE State=UP "
+            "OverSubscribe=YES",
+            "",
+        ]))
+        if spec.gpus:
+            (root / "gres.conf").write_text(
+                f"Name=gpu File={root / 'dev'}/gpu[0-{spec.gpus - 1}]\n")
+        elif (root / "gres.conf").exists():
+            (root / "gres.conf").unlink()
+        for path in (self.conf, root / "gres.conf"):
+            if path.exists():
+                os.chmod(path, 0o644)
+
+    def _daemon(self, state: State, label: str, host: Host | None, argv: list[str]) -> None:
+        log = self.root / "log" / f"{label}.out"
+        if host is not None:
+            # Its own hostname: a UTS namespace inside the host's network namespace.
+            # `ip netns exec` mounts a fresh /sys without cgroupfs, which slurmd needs.
+            argv = ["ip", "netns", "exec", host.namespace, "unshare", "--uts", "--",
+                    "sh", str(self.root / "boot.sh"), host.name, *argv]
+        state.pids[label] = process.spawn(argv, log, env=self.env)
+        self._save(state)
+
+    def _write_boot_script(self) -> None:
+        """What each daemon runs first in its host: set the hostname, mount node-local
+        scratch folders, and mount the cgroup
+        hierarchies as the root namespace has them (`ip netns exec` mounts a fresh /sys
+        without them, and slurmd refuses a layout other than the one /proc/self/cgroup
+        shows)."""
+        lines = ["set -e", 'hostname "$1"', "shift",
+                 "if ! mountpoint -q /sys/fs/cgroup; then"]
+        for source, target, fstype, options in _cgroup_mounts():
+            lines.append(f"  mkdir -p {target}")
+            lines.append(f"  mount -t {fstype} -o {options} {source} {target}")
+        # Node-local scratch, as real nodes have: /dev/shm (where ch-run --join peers meet)
+        # and /var/tmp (ch-run's squashfs mount points).  /tmp stays shared, standing in
+        # for the cluster file system.
+        lines += ["fi",
+                  "mount -t tmpfs -o mode=1777,size=50% tmpfs /dev/shm",
+                  "mount -t tmpfs -o mode=1777 tmpfs /var/tmp",
+                  'exec "$@"', ""]
+        (self.root / "boot.sh").write_text("\n".join(lines))
+
+    def _start_daemons(self, state: State, registry_storage: Path | None) -> None:
+        root = self.root
+        self._write_boot_script()
+        for host in self.spec.nodes:
+            (root / "spool" / host.name).mkdir(parents=True, exist_ok=True)
+        munge = root / "munge"
+        self._daemon(state, "munged", None, [
+            "munged", "--foreground", "--force", f"--key-file={munge / 'munge.key'}",
+            f"--socket={root / MUNGE_SOCKET}", f"--pid-file={munge / 'munged.pid'}",
+            f"--log-file={munge / 'munged.log'}", f"--seed-file={munge / 'munged.seed'}"])
+        _wait(lambda: (root / MUNGE_SOCKET).exists(), 20, "munged")
+        self._daemon(state, "slurmctld", self.spec.head,
+                     ["slurmctld", "-D", "-i", "-f", str(self.conf)])
+        for host in self.spec.nodes:
+            self._daemon(state, f"slurmd-{host.name}", host,
+                         ["slurmd", "-D", "-N", host.name, "-f", str(self.conf)])
+        if registry_storage is not None:
+            self._start_registry(state, registry_storage)
+
+    def _start_registry(self, state: State, storage: Path) -> None:
+        """Debian's registry on the head host, serving ``storage`` read-only (another
+        registry on the same folder may be the one images are pushed to)."""
+        config = self.root / "registry.yml"
+        config.write_text(json.dumps({
+            "version": 0.1,
+            "log": {"level": "warn"},
+            "storage": {"filesystem": {"rootdirectory": str(storage)},
+                        "maintenance": {"readonly": {"enabled": True},
+                                        "uploadpurging": {"enabled": False}}},
+            "http": {"addr": f"{self.spec.head.address}:{REGISTRY_PORT}"},
+        }))
+        binary = shutil.which("docker-registry") or "/usr/bin/docker-registry"
+        self._daemon(state, "registry", self.spec.head, [binary, "serve", str(config)])
+
+    @property
+    def registry_address(self) -> str:
+        return f"{self.spec.head.name}:{REGISTRY_PORT}"
+
+    def _wait_idle(self, state: State, timeout: float) -> None:
+        def idle() -> bool:
+            for label, pid in state.pids.items():
+                if not _alive(pid):
+                    raise SandboxError(f"{label} exited while starting",
+                                       hint=f"see {self.root / 'log'}")
+            result = self.run(["sinfo", "-h", "-N", "-o", "%N %t"], timeout=20)
+            states = dict(line.split() for line in result.stdout.splitlines() if line.strip())
+            return len(states) == self.spec.compute_nodes and all(
+                s in ("idle", "mix", "alloc") for s in states.values())
+
+        _wait(idle, timeout, f"{self.spec.compute_nodes} idle Slurm nodes", interval=0.3)
+
+    def down(self) -> None:
+        """Stop everything ``up`` started; safe to call at any point and more than once."""
+        state = self._load()
+        if state is None:
+            return
+        if any(_alive(pid) for label, pid in state.pids.items() if label == "slurmctld"):
+            self._cancel_jobs()
+        for pid in state.pids.values():
+            _stop_group(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(_alive(p) for p in state.pids.values()):
+            time.sleep(0.1)
+        for pid in state.pids.values():
+            _stop_group(pid, signal.SIGKILL)
+        _kill_marked(f"SLURM_CONF={self.conf}".encode())
+        for namespace in state.namespaces:
+            pids = _ip("netns", "pids", namespace, check=False).stdout.split()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
+            _ip("netns", "del", namespace, check=False)
+        for link in state.links:
+            _ip("link", "del", link, check=False)
+        for folder in state.netns_dirs:
+            shutil.rmtree(folder, ignore_errors=True)
+        self._state_path().unlink(missing_ok=True)
+
+    def _cancel_jobs(self) -> None:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            queue = self.run(["squeue", "-h", "-o", "%i"], timeout=20)
+            jobs = queue.stdout.split()
+            if jobs:
+                self.run(["scancel", "--full", *jobs], timeout=20)
+                deadline = time.monotonic() + 15
+                while time.monotonic() < deadline:
+                    left = self.run(["squeue", "-h", "-o", "%i"], timeout=20)
+                    if left.returncode != 0 or not left.stdout.strip():
+                        break
+                    time.sleep(0.3)
+
+    def status(self) -> dict[str, object]:
+        """Daemons alive, and each node's Slurm state."""
+        state = self._load()
+        if state is None:
+            return {"up": False}
+        nodes: dict[str, str] = {}
+        alive = {label: _alive(pid) for label, pid in state.pids.items()}
+        if alive.get("slurmctld"):
+            result = self.run(["sinfo", "-h", "-N", "-o", "%N %t"], timeout=20)
+            nodes = dict(line.split() for line in result.stdout.splitlines() if line.strip())
+        return {"up": all(alive.values()), "daemons": alive, "nodes": nodes,
+                "hosts": [asdict(h) for h in self.spec.hosts], "conf": str(self.conf)}
+
+
+@contextlib.contextmanager
+def running(spec: SandboxSpec, *, registry_storage: Path | None = None) -> Iterator[Sandbox]:
+    """A sandbox for the length of a ``with`` block, torn down even when the block fails."""
+    sandbox = Sandbox(spec)
+    try:
+        sandbox.up(registry_storage=registry_storage)
+        yield sandbox
+    finally:
+        sandbox.down()
+
+
+def _wait(predicate: object, deadline_s: float, what: str, interval: float = 0.1) -> None:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if predicate():  # type: ignore[operator]
+            return
+        time.sleep(interval)
+    raise SandboxError(f"{what} not ready within {deadline_s:.0f} s")
+
+
+def _alive(pid: int) -> bool:
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)  # reap our own exited children
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    stat = Path(f"/proc/{pid}/stat")
+    with contextlib.suppress(OSError):
+        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return False
+
+
+def _stop_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def _kill_marked(marker: bytes) -> None:
+    """slurmstepd daemonizes out of slurmd's process group and job tasks are its children:
+    find them by the SLURM_CONF each of them inherits, so nothing outlives the cluster."""
+    deadline = time.monotonic() + 10
+    while True:
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            with contextlib.suppress(OSError):
+                if marker in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+        if not found or time.monotonic() > deadline:
+            return
+        for pid in found:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
+
+
+def _cgroup_mounts() -> list[tuple[str, str, str, str]]:
+    """(source, target, type, options) of the cgroup file systems under /sys/fs/cgroup."""
+    found = []
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        source, target, fstype, options = line.split()[:4]
+        if not target.startswith("/sys/fs/cgroup") or fstype not in ("tmpfs", "cgroup",
+                                                                      "cgroup2"):
+            continue
+        kept = [o for o in options.split(",") if o not in ("ro", "rw") and "=" not in o
+                or o.startswith("name=") or o.startswith("mode=")]
+        found.append((source, target, fstype, ",".join(kept) or "defaults"))
+    return found

@@ -1,0 +1,187 @@
+"""The recipes on a real multi-host Slurm: a head host and two compute hosts in network
+namespaces, jobs in Charliecloud containers (the bert squashfs, as a non-root user) and on
+the host runtime, the way cluster users submit them.
+
+What each test shows is what broke when imgpipe's recipes first met a cluster: host paths
+handed to containers, a PATH lost to the login shell, a check that needed imgpipe on the
+compute nodes, a requeue lost on a busy machine, an importer that only root could use.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from imgpipe.recipes.profiles import load_profile
+from imgpipe.recipes.render import RecipeInputs, render_bundle
+from tests.cluster import USERS, Submitter, journal, owned_by, shared_folder, wait_until
+
+pytestmark = pytest.mark.e2e
+ALICE, BOB = USERS
+
+
+def _dataset_inputs(folder: Path) -> tuple[Path, Path, Path]:
+    """A small corpus, a vocabulary trained on it, and a tiny BERT config, readable by all."""
+    from bert_trainer.config import TINY
+
+    from tests.test_dataset import PY as DATASET
+    from tests.test_dataset import make_corpus
+
+    source = make_corpus(folder / "corpus", files=2, documents=30)
+    vocab = folder / "vocab.txt"
+    subprocess.run([*DATASET, "train-vocab", "--source", str(source), "--output", str(vocab),
+                    "--vocab-size", "300"], check=True, capture_output=True, timeout=120)
+    values = json.loads(TINY.to_json())
+    values.update(vocab_size=len(vocab.read_text().splitlines()), max_position_embeddings=512)
+    config = folder / "bert_config.json"
+    config.write_text(json.dumps(values))
+    for path in folder.rglob("*"):
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    return source, vocab, config
+
+
+def _pipeline(cluster, runtime: str, image: str, user: str | None, env: dict[str, str]
+              ) -> None:
+    """dataset.sub on 2 nodes -> run.sub phase 1 (2 nodes x 2 tasks) -> phase 2 from phase
+    1's checkpoint with the rendered defaults -> nccl.sub and its check, all as rendered."""
+    work = shared_folder(f"imgpipe-{runtime}-")
+    source, vocab, config = _dataset_inputs(work / "inputs")
+    data, checkpoints, results = work / "data", work / "ckpt", work / "results"
+    owned_by(user or "root", data, checkpoints, results, work / "jobs")
+    bundle = render_bundle(RecipeInputs(
+        load_profile("local"), 2, image, runtime=runtime, data_dir=str(data),
+        checkpoint_dir=str(checkpoints), results_dir=str(results), dataset_source=str(source),
+        vocab=str(vocab), bert_config=str(config), shards=4), work / "recipes")
+    users = Submitter(cluster, work / "recipes", work / "jobs", user, env)
+    phase1, phase2 = bundle.shapes
+
+    users.submit("dataset.sub", None, "-N2", "--ntasks-per-node=1")
+    assert sorted(p.name for p in (data / "phase1").glob("*.hdf5"))[:1], "no phase 1 shards"
+    users.submit("run.sub", phase1.config_name, "-N2", "--ntasks-per-node=2")
+    users.submit("run.sub", phase2.config_name, "-N2", "--ntasks-per-node=2")
+    _, check = users.submit("nccl.sub", None, "-N2", "--ntasks-per-node=2")
+
+    for phase, shape in ((1, phase1), (2, phase2)):
+        events = journal(results, phase)
+        start = next(e for e in events if e["event"] == "start")
+        assert start["world_size"] == 4 and start["global_batch"] == shape.global_batch
+        assert [e["step"] for e in events if e["event"] == "step"] == list(
+            range(1, shape.max_steps + 1))
+        assert (checkpoints / f"phase{phase}" / f"ckpt_{shape.max_steps}.pt").is_file()
+    phase2_start = next(e for e in journal(results, 2) if e["event"] == "start")
+    assert phase2_start["init_checkpoint"].endswith(f"ckpt_{phase1.max_steps}.pt")
+    if runtime != "host":  # the trainer saw container paths only
+        assert phase2_start["init_checkpoint"].startswith("/checkpoints/")
+    assert "PASS: all_reduce on 4 rank(s) / 2 node(s)" in check, check[-3000:]
+    hosts = set(re.findall(r"#\s+Rank\s+\d+ .* on\s+(\S+) device", check))
+    assert len(hosts) == 2, check[-3000:]  # ranks on both compute hosts
+
+
+def test_recipes_run_in_charliecloud_containers_on_two_nodes_as_a_user(cluster, bert_cpu
+                                                                       ) -> None:
+    env = {"CHECKPOINT_EVERY": "2", "PATH": "/usr/local/bin:/usr/bin:/bin"}
+    _pipeline(cluster, "charliecloud", str(bert_cpu["squashfs"]), ALICE, env)
+
+
+def test_recipes_run_on_the_host_runtime_on_two_nodes(cluster) -> None:
+    # The host runtime runs what the nodes have installed: this checkout's venv, which only
+    # root may execute (it is made from a Python under /root), so these jobs run as root.
+    venv_bin = Path(sys.executable).parent
+    env = {"PYTHON": sys.executable, "CHECKPOINT_EVERY": "2",
+           "PATH": f"{venv_bin}:/usr/local/bin:/usr/bin:/bin"}
+    _pipeline(cluster, "host", "/images/unused.sqsh", None, env)
+
+
+def test_requeue_on_the_time_limit_signal_resumes_on_two_nodes(cluster, bert_cpu) -> None:
+    """SIGUSR1 (what Slurm sends before the time limit) to a 2-node charliecloud job: the
+    trainer checkpoints, run.sub requeues the job, and it resumes at that step.  Also run
+    with four busy loops beside it (bench/requeue_under_load.sh)."""
+    from bert_trainer.synthetic import write_shards
+
+    work = shared_folder("imgpipe-requeue-")
+    data, checkpoints, results = work / "data", work / "ckpt", work / "results"
+    write_shards(data / "phase1", shards=4, per_shard=64, seq_len=128, max_pred=20,
+                 vocab_size=64)
+    for path in data.rglob("*"):
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    config = work / "bert.json"
+    config.write_text(json.dumps({"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1,
+                                  "num_attention_heads": 2, "intermediate_size": 64,
+                                  "max_position_embeddings": 128}))
+    os.chmod(config, 0o644)
+    owned_by(ALICE, checkpoints, results, work / "jobs")
+    bundle = render_bundle(RecipeInputs(
+        load_profile("local"), 2, str(bert_cpu["squashfs"]), runtime="charliecloud",
+        data_dir=str(data), checkpoint_dir=str(checkpoints), results_dir=str(results),
+        bert_config=str(config)), work / "recipes", phases=(1,))
+    env = {"CHECKPOINT_EVERY": "100000", "PATH": "/usr/local/bin:/usr/bin:/bin"}
+    recipes = work / "recipes"
+    submitted = cluster.run(["bash", "-c", (
+        f"source {recipes / bundle.shapes[0].config_name} && MAX_STEPS=1000000 sbatch "
+        f"--parsable -N2 --ntasks-per-node=2 {recipes / 'run.sub'}")],
+        user=ALICE, env=env, cwd=work / "jobs")
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    users = Submitter(cluster, recipes, work / "jobs", ALICE, env)
+
+    def describe() -> str:
+        shown = cluster.run(["scontrol", "show", "job", job]).stdout
+        return shown + users.job_output("run.sub", job)[-3000:]
+
+    def events() -> list[dict]:
+        return journal(results, 1)
+
+    try:
+        wait_until(lambda: any(e["event"] == "step" and e["step"] >= 3 for e in events()),
+                   "three training steps", 300, describe)
+        signalled = cluster.run(["scancel", "--signal=USR1", job])
+        assert signalled.returncode == 0, signalled.stderr
+        wait_until(lambda: any(e["event"] == "stopped" for e in events()), "a checkpoint", 120,
+                   describe)
+
+        def resumed() -> bool:  # Slurm holds a requeued job for cred_expire (10 s)
+            kinds = [e["event"] for e in events()]
+            return kinds.count("start") >= 2 and kinds[-1] == "step"
+
+        wait_until(resumed, "the requeued job to train", 300, describe)
+    finally:
+        cluster.run(["scancel", job])
+    stopped = next(e for e in events() if e["event"] == "stopped")
+    starts = [e for e in events() if e["event"] == "start"]
+    assert starts[0]["resumed_from"] is None
+    assert starts[1]["resumed_from"] == stopped["checkpoint"]
+    assert starts[1]["step"] == stopped["step"]
+    assert stopped["checkpoint"].startswith("/checkpoints/phase1/")
+    assert "requeueing job" in users.job_output("run.sub", job)
+
+
+def test_pyxis_recipes_are_accepted_at_their_real_node_count(cluster, tmp_path: Path) -> None:
+    """sbatch --test-only of every Pyxis script of every GPU profile on 2 nodes, as rendered
+    (the sandbox's nodes carry fake GPUs so --gpus-per-node is checked too)."""
+    from imgpipe.recipes.profiles import SHIPPED
+
+    pinned = "head:5000/imgpipe/bert@sha256:" + "ab" * 32
+    for name in SHIPPED:
+        profile = load_profile(name)
+        folder = shared_folder(f"imgpipe-testonly-{name}-")
+        bundle = render_bundle(RecipeInputs(profile, 2, pinned), folder)
+        for script in ("run.sub", "dataset.sub", "nccl.sub"):
+            gpus = min(profile.gpus_per_node, 8)
+            shape = (["-N2", f"--ntasks-per-node={gpus}"] if script != "dataset.sub"
+                     else ["-N2", "--ntasks-per-node=1"])
+            if script == "run.sub":
+                exported = f"source {folder / bundle.shapes[0].config_name} && "
+            else:
+                exported = ""
+            result = cluster.run(["bash", "-c", exported + shlex.join(
+                ["sbatch", "--test-only", *shape, str(folder / script)])], user=ALICE,
+                cwd="/tmp")
+            assert result.returncode == 0, (name, script, result.stderr)
+            assert "to start at" in result.stderr
