@@ -50,8 +50,10 @@ def get(uri: str) -> Path:
         registry_client(settings), storage(settings), ref,
         SquashOptions(enroot.compression, enroot.zstd_level, enroot.processors),
         say=lambda text: print(f"imgpipe: {text}", file=sys.stderr, flush=True))
-    record = _step_record()
-    record.write_text(f"{conversion.path}\n")
+    # A name others can predict in a shared /tmp: never through a link, private to the user.
+    fd = os.open(_step_record(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as record:
+        record.write(f"{conversion.path}\n")
     return conversion.path
 
 
@@ -70,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     except ImgpipeError as exc:
         print(f"imgpipe: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # stderr is all the user sees: one line, never a traceback
+        where = f" {exc.filename}" if exc.filename else ""
+        print(f"imgpipe: error:{where}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     print(USAGE, file=sys.stderr)
     return 2

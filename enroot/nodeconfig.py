@@ -1,11 +1,38 @@
-"""The enroot.conf and plugstack.conf lines a site installs on its compute nodes."""
+"""The enroot.conf and plugstack.conf lines a site installs on its compute nodes.
+
+What is safe depends on the node's Pyxis and where Enroot lives (seen on a node):
+
+- Pyxis older than 0.21 does not know ``importer=`` and fails its init on a
+  ``required`` line that has it: every srun on the node then fails.  The importer
+  is offered only for 0.21 and newer (a detected or given version).
+- With ``container_scope=job``, Pyxis's end-of-job cleanup runs ``enroot list`` with
+  ``PATH=/usr/local/bin:/usr/bin:/bin``: Enroot anywhere else fails the epilog and
+  Slurm drains the node, so job scope is offered only when Enroot is on that PATH.
+- Enroot starts containers through a login shell (``ENROOT_LOGIN_SHELL yes``):
+  images whose ``/etc/profile`` resets PATH lose their tools unless they keep it in
+  ``/etc/profile.d`` (imgpipe's images do), or nodes turn the login shell off.
+- Pyxis runs the importer as the job's user on every node: imgpipe must be installed
+  where every user can execute it, and the shared squashfs folder usable by all.
+"""
 
 from __future__ import annotations
 
+import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from imgpipe.pipeline.config import Settings
+
+PYXIS_SO_CANDIDATES = ("/usr/local/lib/slurm/spank_pyxis.so", "/usr/lib/slurm/spank_pyxis.so",
+                       "/usr/lib64/slurm/spank_pyxis.so",
+                       "/usr/lib/x86_64-linux-gnu/slurm-wlm/spank_pyxis.so")
+PYXIS_VERSION_MARK = re.compile(rb"pyxis: version v(\d+)\.(\d+)(?:\.(\d+))?")
+CLEANUP_PATH = ("/usr/local/bin", "/usr/bin", "/bin")  # Pyxis's PATH for `enroot list`
+IMPORTER_SINCE = (0, 21)
+SYSTEM_VENV = "/opt/imgpipe"
+
+Version = tuple[int, int, int]
 
 
 @dataclass(frozen=True)
@@ -14,11 +41,41 @@ class NodeConfig:
     plugstack_conf: str
     credentials: str
     importer_path: str
+    install: str
+    pyxis_version: str | None
+    notes: list[str]
 
 
-def render(settings: Settings, importer_path: str) -> NodeConfig:
+def parse_version(text: str) -> Version:
+    """``0.24``, ``0.24.0`` or ``v0.21.1`` -> (0, 24, 0); ValueError otherwise."""
+    match = re.fullmatch(r"v?(\d+)\.(\d+)(?:\.(\d+))?", text.strip())
+    if not match:
+        raise ValueError(f"{text!r} is not a version such as 0.24 or 0.24.0")
+    return int(match.group(1)), int(match.group(2)), int(match.group(3) or 0)
+
+
+def detect_pyxis(candidates: tuple[str, ...] = PYXIS_SO_CANDIDATES
+                 ) -> tuple[str, Version] | None:
+    """(plugin path, version) of the node's Pyxis, read from the plugin's own version mark
+    (Pyxis logs ``pyxis: version vX.Y.Z`` from a string compiled into it)."""
+    for candidate in candidates:
+        try:
+            data = Path(candidate).read_bytes()
+        except OSError:
+            continue
+        match = PYXIS_VERSION_MARK.search(data)
+        if match:
+            return candidate, (int(match.group(1)), int(match.group(2)),
+                               int(match.group(3) or 0))
+    return None
+
+
+def render(settings: Settings, importer_path: str, pyxis_version: Version | None = None,
+           pyxis_so: str = PYXIS_SO_CANDIDATES[0], enroot_path: str | None = None
+           ) -> NodeConfig:
     registry = settings.registry
     squashfs = settings.path(settings.outputs.squashfs_dir).resolve()
+    notes: list[str] = []
     lines = [
         "# /etc/enroot/enroot.conf (lines for imgpipe's head-node registry)",
         "ENROOT_RUNTIME_PATH /run/enroot/user-$(id -u)",
@@ -27,6 +84,10 @@ def render(settings: Settings, importer_path: str) -> NodeConfig:
         "ENROOT_MOUNT_HOME no",
         "ENROOT_SQUASH_OPTIONS -comp zstd -Xcompression-level 3",
         "ENROOT_CONFIG_PATH /etc/enroot",
+        "# Containers start through a login shell (ENROOT_LOGIN_SHELL yes, the default).",
+        "# imgpipe's images keep their PATH in /etc/profile.d, so they work either way; for",
+        "# images whose /etc/profile resets PATH (Debian's does) and drops their tools, set:",
+        "#ENROOT_LOGIN_SHELL no",
     ]
     if registry.scheme == "http":
         lines.append("# The registry speaks plain HTTP; this switches every registry to http.")
@@ -34,26 +95,60 @@ def render(settings: Settings, importer_path: str) -> NodeConfig:
     elif registry.ca_file:
         ca = settings.path(registry.ca_file).resolve()
         lines.append(f"SSL_CERT_FILE {ca}")
+
+    options = ["runtime_path=/run/pyxis"]
+    if pyxis_version is None:
+        notes.append("Pyxis version unknown (no spank_pyxis.so found; pass --pyxis-version): "
+                     "importer= left out, since Pyxis < 0.21 fails on it")
+    elif pyxis_version >= IMPORTER_SINCE:
+        options.append(f"importer={importer_path}")
+    else:
+        notes.append(f"Pyxis {_show(pyxis_version)} has no importer= (0.21+): jobs use "
+                     "squashfs paths from the recipes")
+    enroot_dir = str(Path(enroot_path).parent) if enroot_path else None
+    if enroot_dir in CLEANUP_PATH:
+        options.append("container_scope=job")
+    else:
+        where = enroot_path or "not found on this PATH"
+        options.append("container_scope=global")
+        notes.append(f"enroot is {where}: container_scope=job would make Pyxis's end-of-job "
+                     "cleanup (PATH=/usr/local/bin:/usr/bin:/bin) fail and drain the node")
+    options.append("sbatch_support=1")
     plugstack = [
-        "# /etc/slurm/plugstack.conf.d/pyxis.conf",
-        "required /usr/local/lib/slurm/spank_pyxis.so runtime_path=/run/pyxis "
-        f"importer={importer_path} container_scope=job sbatch_support=1",
+        "# /etc/slurm/plugstack.conf.d/pyxis.conf"
+        + (f" (Pyxis {_show(pyxis_version)})" if pyxis_version else ""),
+        f"required {pyxis_so} {' '.join(options)}",
+        *[f"# note: {note}" for note in notes],
     ]
     credentials = [
         "# /etc/enroot/.credentials (netrc; the port is stripped when matching)",
         f"machine {registry.host} login <user> password <password>",
     ] if registry.credentials.source != "none" else []
-    site = [
-        "# /etc/imgpipe/imgpipe.yaml on every node: the same registry, and the shared",
-        f"# squashfs directory {squashfs} mounted at the same path",
+    install = [
+        "# On every compute node: imgpipe where every job user can execute it (Pyxis runs",
+        "# the importer as the job's user; a venv under root's home is not executable by",
+        "# others), and the same site config and shared squashfs folder.",
+        f"python3 -m venv {SYSTEM_VENV} && {SYSTEM_VENV}/bin/pip install imgpipe",
+        f"ln -sf {SYSTEM_VENV}/bin/imgpipe-pyxis-importer /usr/local/bin/",
+        "install -D -m 0644 imgpipe.yaml /etc/imgpipe/imgpipe.yaml",
+        "# The shared squashfs folder: every user's jobs create lock files and may convert,",
+        "# so it is world-writable with the sticky bit (or 2775 with a group of all job users):",
+        f"install -d -m 1777 {squashfs}",
     ]
-    return NodeConfig("\n".join(lines) + "\n", "\n".join(plugstack + site) + "\n",
+    return NodeConfig("\n".join(lines) + "\n", "\n".join(plugstack) + "\n",
                       "\n".join(credentials) + ("\n" if credentials else ""),
-                      importer_path)
+                      importer_path, "\n".join(install) + "\n",
+                      _show(pyxis_version) if pyxis_version else None, notes)
+
+
+def _show(version: Version) -> str:
+    return ".".join(map(str, version))
 
 
 def importer_path() -> str:
-    import shutil
+    """Where the install lines put the importer (a link into the system-wide venv)."""
+    return "/usr/local/bin/imgpipe-pyxis-importer"
 
-    found = shutil.which("imgpipe-pyxis-importer")
-    return found or str(Path("/usr/local/bin/imgpipe-pyxis-importer"))
+
+def enroot_location() -> str | None:
+    return shutil.which("enroot")

@@ -12,6 +12,12 @@ Layout under ``root`` (the cluster filesystem, shared by every node)::
 Temporary names carry host and PID, so processes on many hosts never collide;
 whoever holds a digest's lock may delete any temporary of that digest, since
 nobody else can be writing it.
+
+Shared by every user: Pyxis runs the importer as the job's user, so on a cluster the
+root folder is world-writable with the sticky bit (``install -d -m 1777``) or
+group-writable with setgid (2775).  The folders imgpipe creates under it take the
+root's mode; lock files are created once, exclusively, readable and writable by all
+(fcntl locks need a file every user can open), and opened without following links.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import fcntl
 import os
 import shutil
 import socket
+import stat
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -64,11 +71,21 @@ class Storage:
     def tmp(self) -> Path:
         return self.meta / "tmp"
 
+    def _shared_mode(self) -> int:
+        """Mode for the folders imgpipe creates: the root's (sticky and setgid kept)."""
+        return stat.S_IMODE(self.root.stat().st_mode) & 0o3777
+
     def prepare(self) -> None:
         """Create the layout (idempotent); refuse a layout of another version."""
         try:
-            for folder in (self.blobs, self.locks, self.tmp):
-                folder.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(parents=True, exist_ok=True)
+            mode = self._shared_mode()
+            for folder in (self.meta, self.blobs.parent, self.blobs, self.locks, self.tmp):
+                try:
+                    folder.mkdir()
+                except FileExistsError:
+                    continue
+                os.chmod(folder, mode)  # mkdir's mode is cut by the umask
             version_file = self.meta / "VERSION"
             if version_file.exists():
                 found = version_file.read_text().strip()
@@ -81,9 +98,18 @@ class Storage:
             tag = self.meta / "CACHEDIR.TAG"
             if not tag.exists():
                 atomic_write(tag, CACHEDIR_TAG)
+        except PermissionError as exc:
+            raise self._not_shared(exc) from exc
         except OSError as exc:
             raise ConvertError(f"cannot use squashfs directory {self.root}: {exc.strerror}",
                                hint="set outputs.squashfs_dir to a writable folder") from exc
+
+    def _not_shared(self, exc: OSError) -> ConvertError:
+        where = exc.filename or self.root
+        return ConvertError(
+            f"squashfs directory {self.root}: permission denied on {where}",
+            hint=f"every job user must be able to write it: chmod 1777 {self.root} (or 2775 "
+            "with a group of all job users); see imgpipe node-config")
 
     def blob(self, digest: str) -> Path:
         return self.blobs / digest_hex(digest)
@@ -100,7 +126,11 @@ class Storage:
     def lock(self, digest: str, on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
         """Hold the digest's exclusive lock; ``on_wait`` hears who holds it, once."""
         path = self.locks / f"{digest_hex(digest)}.lock"
-        with open(path, "a+") as handle:
+        try:
+            fd = _open_lock_file(path)
+        except PermissionError as exc:
+            raise self._not_shared(exc) from exc
+        with os.fdopen(fd, "r+") as handle:
             try:
                 fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
@@ -129,11 +159,14 @@ class Storage:
                          *self.tmp.glob(f"{hexpart}.*"),
                          *(RAM_DIR.glob(f"imgpipe-{hexpart}.{socket.gethostname()}.*")
                            if RAM_DIR.is_dir() else [])]:
-            if leftover.is_dir():
-                shutil.rmtree(leftover, ignore_errors=True)
-            else:
-                leftover.unlink(missing_ok=True)
-            removed += 1
+            # In a sticky shared folder only the owner may delete: another user's
+            # leftover stays until its owner (or an admin) converts again.
+            with contextlib.suppress(PermissionError):
+                if leftover.is_dir() and not leftover.is_symlink():
+                    shutil.rmtree(leftover)
+                else:
+                    leftover.unlink(missing_ok=True)
+                removed += 1
         return removed
 
     def work_dir(self, digest: str, needs_bytes: int = 0) -> Path:
@@ -153,3 +186,23 @@ class Storage:
         path = parent / name
         path.mkdir(parents=True, exist_ok=False)
         return path
+
+
+def _open_lock_file(path: Path) -> int:
+    """An fd of the lock file, read-write, never through a link.  Created exclusively and
+    0666 when missing (fcntl locks need every user to open it); an existing one is opened
+    without O_CREAT, which protected_regular refuses for another user's file in a sticky
+    folder."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(5):
+        try:
+            return os.open(path, flags)
+        except FileNotFoundError:
+            pass
+        try:
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue  # created by another process in between: open it
+        os.fchmod(fd, 0o666)
+        return fd
+    raise ConvertError(f"cannot open lock file {path}: it keeps disappearing")

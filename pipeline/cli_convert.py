@@ -5,7 +5,14 @@ from __future__ import annotations
 import click
 
 from imgpipe.enroot.convert import Conversion, convert
-from imgpipe.enroot.nodeconfig import importer_path, render
+from imgpipe.enroot.nodeconfig import (
+    PYXIS_SO_CANDIDATES,
+    detect_pyxis,
+    enroot_location,
+    importer_path,
+    parse_version,
+    render,
+)
 from imgpipe.pipeline.catalog import load_catalog
 from imgpipe.pipeline.cli import CONTEXT, invocation, reporting, settings_of
 from imgpipe.pipeline.config import Settings
@@ -97,25 +104,49 @@ convert_command.name = "convert"
 
 
 @click.command(name="node-config", context_settings=CONTEXT)
+@click.option("--pyxis-version", default=None, metavar="X.Y[.Z]",
+              help="The nodes' Pyxis (default: read from the spank_pyxis.so found here).")
+@click.option("--pyxis-plugin", default=None, metavar="PATH",
+              help="Path of spank_pyxis.so on the nodes (default: the one found here, else "
+              "/usr/local/lib/slurm/spank_pyxis.so).")
+@click.option("--enroot", "enroot_path", default=None, metavar="PATH",
+              help="Path of enroot on the nodes (default: the one on this PATH).")
+@click.option("--importer", default=None, metavar="PATH",
+              help="Importer path on the nodes (default: /usr/local/bin/imgpipe-pyxis-importer).")
 @reporting
-def node_config(ctx: click.Context) -> Result:
-    """Print the enroot.conf and plugstack.conf lines to install on compute nodes.
+def node_config(ctx: click.Context, pyxis_version: str | None, pyxis_plugin: str | None,
+                enroot_path: str | None, importer: str | None) -> Result:
+    """Print what compute nodes need: enroot.conf, plugstack.conf and install lines.
 
-    They let nodes pull from this registry (plain HTTP or a TLS CA), read
-    credentials, and use imgpipe's importer so Pyxis takes squashfs files from
-    the shared cache.
+    The plugstack line follows the nodes' Pyxis: importer= only for 0.21 and newer
+    (older Pyxis fails on it and breaks every srun), container_scope=job only where
+    Pyxis's cleanup finds enroot.  Run it on a compute node, or say the versions.
 
     \b
     Example:
-      imgpipe node-config > node-setup.txt
+      imgpipe node-config --pyxis-version 0.24 --enroot /usr/bin/enroot > node-setup.txt
     """
-    rendered = render(settings_of(ctx), importer_path())
-    text = rendered.enroot_conf + "\n" + rendered.plugstack_conf
+    detected = detect_pyxis((pyxis_plugin,) if pyxis_plugin else PYXIS_SO_CANDIDATES)
+    version = None
+    if pyxis_version is not None:
+        try:
+            version = parse_version(pyxis_version)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--pyxis-version") from exc
+    elif detected:
+        version = detected[1]
+    plugin = pyxis_plugin or (detected[0] if detected else PYXIS_SO_CANDIDATES[0])
+    rendered = render(settings_of(ctx), importer or importer_path(), version, plugin,
+                      enroot_path or enroot_location())
+    text = rendered.enroot_conf + "\n" + rendered.plugstack_conf + "\n" + rendered.install
     if rendered.credentials:
         text += "\n" + rendered.credentials
     return Result({"enroot_conf": rendered.enroot_conf,
                    "plugstack_conf": rendered.plugstack_conf,
                    "credentials": rendered.credentials,
+                   "install": rendered.install,
+                   "pyxis_version": rendered.pyxis_version,
+                   "notes": rendered.notes,
                    "importer": rendered.importer_path}, text.rstrip("\n").splitlines())
 
 

@@ -74,11 +74,14 @@ launch() {
 # step does both, through a login shell as Enroot does by default.
 # shellcheck disable=SC2016  # expanded by the shell inside the container
 enroot_like_start=''' + "'" + ENROOT_LIKE_START + "'" + '''
+# Slurm signals every process of a step (the time-limit warning, SIGUSR1, too): ch-run's
+# own process, which serves the squashfuse mount, starts with SIGUSR1 ignored so that it
+# outlives the trainer's checkpoint (the trainer installs its own handler).
 launch() {
   local binds=() m
   for m in "${mounts[@]}"; do binds+=(-b "$m"); done
-  srun "${step[@]}" --kill-on-bad-exit=1 ch-run --join "${binds[@]}" -c "$WORKDIR" "$CONT" -- \\
-    /bin/sh -c "$enroot_like_start" sh "$@"
+  srun "${step[@]}" --kill-on-bad-exit=1 /bin/sh -c 'trap "" USR1; exec ch-run "$@"' ch-run \\
+    --join "${binds[@]}" -c "$WORKDIR" "$CONT" -- /bin/sh -c "$enroot_like_start" sh "$@"
 }
 ''',
     "host": _COMMON + '''\

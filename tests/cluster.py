@@ -101,3 +101,30 @@ def wait_until(predicate, what: str, seconds: float, describe=lambda: "") -> Non
     while not predicate():
         assert time.monotonic() < deadline, (what, describe())
         time.sleep(0.5)
+
+
+SYSTEM_VENV = Path("/opt/imgpipe-tests/venv")
+
+
+def system_imgpipe(source: Path) -> Path:
+    """imgpipe installed the way node-config says: a venv from the system Python that every
+    user can execute (this checkout's .venv comes from a Python under /root, which others
+    cannot run).  Dependencies are installed once per pyproject; imgpipe itself each time."""
+    import hashlib
+
+    digest = hashlib.sha256((source / "pyproject.toml").read_bytes()).hexdigest()[:16]
+    stamp = SYSTEM_VENV / f".deps-{digest}"
+    pip = [str(SYSTEM_VENV / "bin" / "python"), "-m", "pip", "install", "-q",
+           "--disable-pip-version-check"]
+    if not stamp.exists():
+        subprocess.run(["rm", "-rf", str(SYSTEM_VENV)], check=True)
+        subprocess.run(["/usr/bin/python3", "-m", "venv", str(SYSTEM_VENV)], check=True,
+                       capture_output=True)
+        subprocess.run([*pip, str(source)], check=True, capture_output=True, timeout=900)
+        stamp.touch()
+    build = Path(tempfile.mkdtemp(prefix="imgpipe-wheel-"))
+    subprocess.run([*pip, "--no-deps", "--force-reinstall", "--no-build-isolation",
+                    str(source)], check=True, capture_output=True, timeout=300,
+                   env={**os.environ, "TMPDIR": str(build)})
+    subprocess.run(["chmod", "-R", "a+rX", str(SYSTEM_VENV.parent)], check=True)
+    return SYSTEM_VENV / "bin"

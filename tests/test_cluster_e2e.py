@@ -15,9 +15,11 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import requests
 
 from imgpipe.recipes.profiles import load_profile
 from imgpipe.recipes.render import RecipeInputs, render_bundle
@@ -99,10 +101,13 @@ def test_recipes_run_on_the_host_runtime_on_two_nodes(cluster) -> None:
     _pipeline(cluster, "host", "/images/unused.sqsh", None, env)
 
 
-def test_requeue_on_the_time_limit_signal_resumes_on_two_nodes(cluster, bert_cpu) -> None:
+# IMGPIPE_REQUEUE_RUNS=5 repeats it (with four `yes >/dev/null` loops beside it, the way
+# the requeue race was found: see the README).
+@pytest.mark.parametrize("run", range(int(os.environ.get("IMGPIPE_REQUEUE_RUNS", "1"))))
+def test_requeue_on_the_time_limit_signal_resumes_on_two_nodes(cluster, bert_cpu, run: int
+                                                                ) -> None:
     """SIGUSR1 (what Slurm sends before the time limit) to a 2-node charliecloud job: the
-    trainer checkpoints, run.sub requeues the job, and it resumes at that step.  Also run
-    with four busy loops beside it (bench/requeue_under_load.sh)."""
+    trainer checkpoints, run.sub requeues the job, and it resumes at that step."""
     from bert_trainer.synthetic import write_shards
 
     work = shared_folder("imgpipe-requeue-")
@@ -185,3 +190,61 @@ def test_pyxis_recipes_are_accepted_at_their_real_node_count(cluster, tmp_path: 
                 cwd="/tmp")
             assert result.returncode == 0, (name, script, result.stderr)
             assert "to start at" in result.stderr
+
+
+def test_importer_two_users_on_two_nodes_convert_a_new_digest_once(cluster, registry_server,
+                                                                   base_image) -> None:
+    """Pyxis runs the importer as the job's user on every node.  Two users on two compute
+    hosts `get` a digest nobody has converted, at once, from one shared squashfs folder
+    (mode 1777, as node-config says): one conversion, both get the file, no traceback."""
+    import threading
+
+    from tests import services
+    from tests.cluster import system_imgpipe
+
+    tag = f"race-{os.getpid()}-{time.monotonic_ns()}"
+    target = f"{registry_server.address}/imgpipe/race:{tag}"
+    for argv in (["tag", base_image, target], ["push", target]):
+        subprocess.run([services.DOCKER, *argv], check=True, capture_output=True, timeout=600)
+    digest = requests.head(
+        f"http://{registry_server.address}/v2/imgpipe/race/manifests/{tag}",
+        headers={"Accept": "application/vnd.docker.distribution.manifest.v2+json"},
+        timeout=30).headers["Docker-Content-Digest"]
+    bin_dir = system_imgpipe(Path(__file__).resolve().parent.parent)
+    shared = shared_folder("imgpipe-importer-")
+    squashfs = shared / "squashfs"
+    squashfs.mkdir()
+    os.chmod(squashfs, 0o1777)
+    config = shared / "imgpipe.yaml"
+    config.write_text(json.dumps({"registry": {"host": "head", "port": 5000},
+                                  "outputs": {"squashfs_dir": str(squashfs)}}))
+    os.chmod(config, 0o644)
+    uri = f"docker://head:5000#imgpipe/race@{digest}"
+    results: dict[str, subprocess.CompletedProcess[str]] = {}
+
+    def get(user: str, node: str) -> None:
+        results[user] = cluster.run(
+            ["srun", "-w", node, "-N1", "-n1", str(bin_dir / "imgpipe-pyxis-importer"), "get",
+             uri], user=user, env={"IMGPIPE_CONFIG": str(config)}, timeout=300, cwd="/tmp")
+
+    threads = [threading.Thread(target=get, args=(ALICE, "node1")),
+               threading.Thread(target=get, args=(BOB, "node2"))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for user, done in results.items():
+        assert done.returncode == 0, (user, done.stderr)
+        assert "Traceback" not in done.stderr, done.stderr
+    paths = {done.stdout.strip() for done in results.values()}
+    [published] = list(squashfs.glob("*.sqsh"))
+    assert paths == {str(published)}
+    assert published.stat().st_mode & 0o044 == 0o044  # every user's jobs can read it
+    squashed = [u for u, done in results.items() if "squash with" in done.stderr]
+    assert len(squashed) == 1, {u: d.stderr for u, d in results.items()}
+    for user in USERS:  # release is idempotent and never deletes the shared file
+        for _ in range(2):
+            done = cluster.run([str(bin_dir / "imgpipe-pyxis-importer"), "release"], user=user,
+                               host=cluster.spec.nodes[0], cwd="/tmp")
+            assert done.returncode == 0, done.stderr
+    assert published.exists()
