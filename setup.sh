@@ -18,7 +18,8 @@ PACKAGES=(
   squashfs-tools squashfs-tools-ng   # mksquashfs/unsquashfs, tar2sqfs
   debootstrap                        # base images without a public registry
   apache2-utils                      # htpasswd for registry auth
-  slurm-wlm munge                    # a one-node Slurm for the recipes' tests
+  slurm-wlm munge iproute2           # the multi-host sandbox Slurm (network namespaces)
+  charliecloud-runtime squashfuse fuse3   # ch-run: jobs in containers from squashfs files
   shellcheck curl ca-certificates util-linux
   python3 python3-venv python3-pip
   g++ python3-dev                    # torch.compile's CPU backend (the trainer's compile test)

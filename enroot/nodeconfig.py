@@ -131,6 +131,8 @@ def render(settings: Settings, importer_path: str, pyxis_version: Version | None
         f"python3 -m venv {SYSTEM_VENV} && {SYSTEM_VENV}/bin/pip install imgpipe",
         f"ln -sf {SYSTEM_VENV}/bin/imgpipe-pyxis-importer /usr/local/bin/",
         "install -D -m 0644 imgpipe.yaml /etc/imgpipe/imgpipe.yaml",
+        "# The per-user Enroot folders of the enroot.conf lines above live under these:",
+        "install -d -m 1777 /run/enroot /var/lib/enroot-cache /tmp/enroot-data",
         "# The shared squashfs folder: every user's jobs create lock files and may convert,",
         "# so it is world-writable with the sticky bit (or 2775 with a group of all job users):",
         f"install -d -m 1777 {squashfs}",

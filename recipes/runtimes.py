@@ -37,13 +37,17 @@ ENROOT_LIKE_START = (
     'if [ -r /etc/rc ]; then exec /bin/sh -l /etc/rc "$@"; fi; exec "$@"'
 )
 
-_COMMON = '''\
+_HEADER = '''\
 # Paths a program receives are translated here and only here: mount_path HOST CONTAINER [ro]
 # sets REPLY to the path the program sees.  Host paths may not hold ':' or ',' (mount syntax).
-# A file is mounted through its folder: CONTAINER is then that folder, REPLY the file in it.
 # `step` holds srun options for the next launch (e.g. -N1 -n1).
-mounts=()
 step=()
+'''
+
+_CONTAINER = _HEADER + '''\
+# A file is mounted through its folder: CONTAINER is then that folder, REPLY the file in it.
+WORKDIR=/workspace
+mounts=()
 mount_path() {
   local src=$1 dst=$2
   case "$1$2" in *:*|*,*) echo "${0##*/}: path '$1' holds ':' or ','" >&2; exit 2 ;; esac
@@ -51,7 +55,7 @@ mount_path() {
 '''
 
 _PRELUDES: dict[str, str] = {
-    "pyxis": _COMMON + '''\
+    "pyxis": _CONTAINER + '''\
   mounts+=("$src:$2${3:+:$3}")
   REPLY=$dst
 }
@@ -64,7 +68,7 @@ launch() {
     --no-container-mount-home "$@"
 }
 ''',
-    "charliecloud": _COMMON + '''\
+    "charliecloud": _CONTAINER + '''\
   mounts+=("$src:$2")
   REPLY=$dst
 }
@@ -84,7 +88,8 @@ launch() {
     --join "${binds[@]}" -c "$WORKDIR" "$CONT" -- /bin/sh -c "$enroot_like_start" sh "$@"
 }
 ''',
-    "host": _COMMON + '''\
+    "host": _HEADER + '''\
+mount_path() {
   REPLY=$1
 }
 launch() {

@@ -65,6 +65,7 @@ class SandboxSpec:
     cpus: int = 2
     gpus: int = 8            # fake GPU device files, so GPU profiles' requests are accepted
     memory_mb: int = 8000
+    plugstack: Path | None = None  # a SPANK plugstack.conf (e.g. Pyxis's line) for slurmd
 
     @property
     def network(self) -> ipaddress.IPv4Network:
@@ -296,6 +297,7 @@ class Sandbox:
             "SlurmdTimeout=30",
             "KillWait=10",
             "GresTypes=gpu",
+            *([f"PlugStackConfig={spec.plugstack}"] if spec.plugstack else []),
             *node_lines,
             f"PartitionName=debug Nodes=node[1-{last}] Default=YES MaxTime=INFINITE "
             "State=UP OverSubscribe=YES",

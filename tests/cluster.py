@@ -120,7 +120,8 @@ def system_imgpipe(source: Path) -> Path:
         subprocess.run(["rm", "-rf", str(SYSTEM_VENV)], check=True)
         subprocess.run(["/usr/bin/python3", "-m", "venv", str(SYSTEM_VENV)], check=True,
                        capture_output=True)
-        subprocess.run([*pip, str(source)], check=True, capture_output=True, timeout=900)
+        subprocess.run([*pip, "setuptools>=68", str(source)], check=True, capture_output=True,
+                       timeout=900)
         stamp.touch()
     build = Path(tempfile.mkdtemp(prefix="imgpipe-wheel-"))
     subprocess.run([*pip, "--no-deps", "--force-reinstall", "--no-build-isolation",
