@@ -17,13 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from imgpipe.enroot.errors import ConvertError
-from imgpipe.enroot.fetch import fetch_image
+from imgpipe.enroot.errors import BlobDigestError, ConvertError, HostileLayerError
+from imgpipe.enroot.fetch import FetchedImage, fetch_blob_cached, fetch_image
 from imgpipe.enroot.flatten import LayerCounts, LayerSource, merge, write_stream, write_tree
 from imgpipe.enroot.rcfiles import rc_files
 from imgpipe.enroot.squash import SquashOptions, squash_stream, squash_tree
 from imgpipe.enroot.storage import Storage
-from imgpipe.pipeline.files import atomic_path
+from imgpipe.pipeline.files import atomic_path, file_sha256
 from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.errors import RegistryError
 from imgpipe.registry.reference import Reference
@@ -43,12 +43,23 @@ class Conversion:
     layers: list[LayerCounts] = field(default_factory=list)
 
 
+def require_served(ref: Reference, address: str) -> None:
+    """imgpipe talks to the one registry it is configured for (with that registry's
+    credentials and TLS settings): a reference naming another is refused, never answered
+    with content from the configured one under the other's name."""
+    if ref.registry != address:
+        raise ConvertError(f"{ref} names the registry {ref.registry}, but imgpipe is "
+                           f"configured for {address}",
+                           hint="convert images of the configured registry, or point "
+                           "registry.host and registry.port in imgpipe.yaml at that one")
+
+
 def resolve_digest(client: RegistryClient, ref: Reference) -> str:
     """The manifest digest ``ref`` names (index entries resolved to this platform)."""
     try:
         return client.manifest(ref.repository, ref.reference).digest
     except RegistryError as exc:
-        if exc.status == 404:
+        if exc.status == 404 and exc.registry_code != "NOT_A_REGISTRY":
             raise ConvertError(f"{ref} is not in the registry",
                                hint=f"push it first, or list tags: imgpipe registry tags "
                                f"{ref.repository}") from exc
@@ -66,15 +77,16 @@ def convert(client: RegistryClient, storage: Storage, ref: Reference,
     """
     options = options or SquashOptions()
     started = time.monotonic()
+    require_served(ref, client.address)
     storage.prepare()
     if ref.digest:  # pinned: no network needed when it was converted before
-        existing = storage.find_squashfs(ref.digest)
+        existing = storage.find_squashfs(ref.digest, options.compression)
         if existing is not None:
             return Conversion(str(ref), ref.digest, existing, False,
                               time.monotonic() - started, existing.stat().st_size,
                               options.compression)
     digest = resolve_digest(client, ref)
-    final = storage.squashfs(ref.repository, digest)
+    final = storage.squashfs(ref.repository, digest, options.compression)
     if final.exists():
         return Conversion(str(ref), digest, final, False, time.monotonic() - started,
                           final.stat().st_size, options.compression)
@@ -94,10 +106,37 @@ def _convert_with_enroot(client, ref, digest, final, options, say, started) -> C
     from imgpipe.enroot.delegate import enroot_import
 
     say(f"enroot import {ref.repository}@{digest[:19]}")
-    with atomic_path(final, mode=0o644) as tmp:
+    with atomic_path(final, mode=0o644, create=False) as tmp:  # enroot refuses existing files
         enroot_import(ref, digest, tmp, options, client.base_url.split("://")[0])
     return Conversion(str(ref), digest, final, True, time.monotonic() - started,
                       final.stat().st_size, options.compression)
+
+
+# Layer media types a conversion accepts (OCI and Docker schema 2); anything else, such as
+# foreign (Windows) layers or artifacts, is refused rather than guessed at.
+LAYER_MEDIA_TYPES = frozenset({
+    "application/vnd.oci.image.layer.v1.tar",
+    "application/vnd.oci.image.layer.v1.tar+gzip",
+    "application/vnd.oci.image.layer.v1.tar+zstd",
+    "application/vnd.docker.image.rootfs.diff.tar",
+    "application/vnd.docker.image.rootfs.diff.tar.gzip",
+    "application/vnd.docker.image.rootfs.diff.tar.zstd",
+})
+
+
+def layer_sources(image: FetchedImage) -> list[LayerSource]:
+    """The image's layers with the diff_ids their config promises; refuses unknown types."""
+    diff_ids = list((image.config.get("rootfs") or {}).get("diff_ids") or [])
+    if len(diff_ids) != len(image.layers):
+        raise ConvertError(f"{image.repository}: the config lists {len(diff_ids)} diff_id(s) "
+                           f"for {len(image.layers)} layer(s)",
+                           hint="the image is broken; rebuild and push it")
+    for layer in image.layers:
+        if layer.media_type not in LAYER_MEDIA_TYPES:
+            raise HostileLayerError(layer.digest, "(manifest)",
+                                    f"unknown layer media type {layer.media_type!r}")
+    return [LayerSource(layer.digest, layer.path, diff_id)
+            for layer, diff_id in zip(image.layers, diff_ids, strict=True)]
 
 
 def _convert_locked(client, storage, ref, digest, final, options, say,
@@ -109,16 +148,65 @@ def _convert_locked(client, storage, ref, digest, final, options, say,
 
     say(f"fetch {ref.repository}@{digest[:19]}")
     image = fetch_image(client, storage, ref.repository, digest, on_bytes=count)
-    layers = [LayerSource(layer.digest, layer.path) for layer in image.layers]
-    say(f"merge {len(layers)} layer(s)")
-    view = merge(layers, rc_files(image.config))
-    tree_bytes = view.file_bytes if options.tool == "mksquashfs" else 0
-    work = storage.work_dir(digest, tree_bytes)
+    layers = layer_sources(image)
+    work: Path | None = None
     try:
-        return _squash_and_publish(ref, digest, final, options, say, started, image, layers,
-                                   view, work)
+        for attempt in (1, 2):
+            try:
+                say(f"merge {len(layers)} layer(s)")
+                view = merge(layers, rc_files(image.config))
+                if work is None:
+                    tree_bytes = view.file_bytes if options.tool == "mksquashfs" else 0
+                    work = storage.work_dir(digest, tree_bytes)
+                return _squash_and_publish(ref, digest, final, options, say, started, image,
+                                           layers, view, work)
+            except (BlobDigestError, HostileLayerError) as exc:
+                spoiled = _spoiled_blobs(layers, exc)
+                if attempt == 2 or not spoiled:
+                    raise
+                if work is None:
+                    work = storage.work_dir(digest)
+                layers = _fetch_again(client, storage, ref.repository, layers, spoiled, work,
+                                      say)
+        raise AssertionError("unreachable")
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _spoiled_blobs(layers: list[LayerSource], exc: Exception) -> set[str]:
+    """The layers whose cached bytes no longer match their digest.  A corrupt or truncated
+    cached blob fails like a broken layer, so on a layer error every blob is checked
+    before the image is blamed."""
+    if isinstance(exc, BlobDigestError):
+        return {exc.digest}
+    return {layer.digest for layer in layers
+            if f"sha256:{file_sha256(layer.path)}" != layer.digest}
+
+
+def _fetch_again(client, storage, repository: str, layers: list[LayerSource],
+                 spoiled: set[str], work: Path, say) -> list[LayerSource]:
+    """Evict the spoiled cache entries and fetch them once more.  An entry another user owns
+    (the shared folder is sticky) cannot be removed: this conversion then uses a private copy
+    in its work area, and says whose file is bad."""
+    fresh = []
+    for layer in layers:
+        if layer.digest not in spoiled:
+            fresh.append(layer)
+            continue
+        try:
+            layer.path.unlink(missing_ok=True)
+            path, _ = fetch_blob_cached(client, storage, repository, layer.digest)
+            say(f"cached blob {layer.digest[:19]} did not match its digest: evicted and "
+                "fetched again")
+        except PermissionError:
+            owner = layer.path.stat().st_uid
+            path = work / layer.digest.replace(":", "-")
+            client.fetch_blob(repository, layer.digest, path)
+            say(f"cached blob {layer.digest[:19]} (owned by uid {owner}) does not match its "
+                "digest and cannot be removed by this user: using a private copy")
+        fresh.append(LayerSource(layer.digest, path, layer.diff_id))
+    return fresh
 
 
 def _squash_and_publish(ref, digest, final, options, say, started, image, layers, view,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from imgpipe.pipeline.errors import ImgpipeError
 
 
@@ -23,3 +25,19 @@ class HostileLayerError(ConvertError):
                          hint="the image is broken or hostile; rebuild it from a trusted base")
         self.layer = layer
         self.entry = entry
+
+
+class BlobDigestError(ConvertError):
+    """A cached blob whose bytes no longer match its digest (changed, truncated, swapped).
+
+    The conversion evicts it and fetches it again once; the registry's copy is checked
+    while streaming, so a second mismatch means the storage under the cache is failing.
+    """
+
+    code = "blob-digest"
+
+    def __init__(self, digest: str, found: str, path: Path) -> None:
+        super().__init__(f"cached blob {digest[:19]} does not match its digest (its bytes hash "
+                         f"to {found[:19]})", hint=f"remove {path} and convert again")
+        self.digest = digest
+        self.path = path

@@ -13,7 +13,16 @@ entry named (compare charliecloud's ``validate_members``):
   it could leave the root: the "absolute symlink, then write through it" attack);
 * hard links whose target leaves the root or does not exist;
 * symlinks whose relative target climbs above the root;
-* truncated or corrupt compressed streams, and anything that is not a tar.
+* truncated or corrupt compressed streams, and anything that is not a tar;
+* a header that does not parse in the middle of a layer, a missing end-of-archive
+  and bytes after it (Python's tarfile takes a bad header for the end of the
+  archive and stops silently: here the end is checked explicitly, with the offset);
+* whiteouts of names that are not plain names (``.wh..``, ``.wh..wh.x``).
+
+Every byte is verified on use, while it is read anyway: the compressed blob
+against its digest in both passes (a cached blob may have changed since it was
+fetched, even between the passes), and the uncompressed stream against the
+config's ``diff_id`` in pass 2, which is what gets published.
 
 Pass 2 (``write_stream``) reads the layers again and writes only the entries
 that survived, with Enroot's permission fix (owner reads everything, owns
@@ -26,6 +35,7 @@ them.  Nothing is ever written to disk here: the consumer (tar2sqfs, or
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import shutil
@@ -37,9 +47,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, BinaryIO
 
+import zstandard
 from isal import igzip
+from isal.igzip_lib import IsalError
 
-from imgpipe.enroot.errors import HostileLayerError
+from imgpipe.enroot.errors import BlobDigestError, HostileLayerError
 
 MAX_NAME = 4095
 MAX_COMPONENT = 255
@@ -47,6 +59,8 @@ WHITEOUT = ".wh."
 OPAQUE = ".wh..wh..opq"
 COPY_CHUNK = 1 << 20
 Entry = tuple[int, int]  # (layer index, member index within the layer)
+# What a broken compressed stream raises, by decompressor.
+STREAM_ERRORS = (EOFError, zlib.error, OSError, IsalError, zstandard.ZstdError)
 
 
 @dataclass
@@ -91,6 +105,32 @@ class MergedView:
 class LayerSource:
     digest: str
     path: Path
+    diff_id: str | None = None  # sha256 of the uncompressed tar, from the image config
+
+
+class _HashingFile(io.RawIOBase):
+    """The compressed blob as read by a decompressor, hashed and counted on the way."""
+
+    def __init__(self, handle: BinaryIO) -> None:
+        self.handle, self.sha256, self.count = handle, hashlib.sha256(), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.handle.read(size)
+        self.sha256.update(data)
+        self.count += len(data)
+        return data
+
+    def readinto(self, buffer) -> int:  # type: ignore[no-untyped-def]
+        data = self.read(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+    def drain(self) -> None:
+        while self.read(COPY_CHUNK):
+            pass
 
 
 class ForwardReader(io.RawIOBase):
@@ -102,8 +142,11 @@ class ForwardReader(io.RawIOBase):
 
     STEP = 1 << 20
 
-    def __init__(self, raw: BinaryIO, closer: BinaryIO) -> None:
+    def __init__(self, raw: BinaryIO, closer: BinaryIO, compressed: _HashingFile) -> None:
         self.raw, self.closer, self.position = raw, closer, 0
+        self.compressed = compressed
+        self.sha256 = hashlib.sha256()  # of the uncompressed stream: the diff_id
+        self.last_start, self.last = 0, b""  # the latest read, for the end-of-archive check
 
     def readable(self) -> bool:
         return True
@@ -116,6 +159,8 @@ class ForwardReader(io.RawIOBase):
 
     def read(self, size: int = -1) -> bytes:
         data = self.raw.read(size)
+        self.sha256.update(data)
+        self.last_start, self.last = self.position, data
         self.position += len(data)
         return data
 
@@ -127,8 +172,28 @@ class ForwardReader(io.RawIOBase):
             chunk = self.raw.read(min(self.STEP, target - self.position))
             if not chunk:
                 break  # past the end: the next read finds nothing, as tarfile expects
+            self.sha256.update(chunk)
             self.position += len(chunk)
         return self.position
+
+    def verify(self, layer: LayerSource, *, diff_id: bool) -> None:
+        """Read both streams to their ends (the decompressor checks its trailer) and compare
+        the blob with its digest, and the tar with the config's diff_id when asked."""
+        try:
+            while self.read(self.STEP):
+                pass
+            self.compressed.drain()
+        except STREAM_ERRORS as exc:
+            raise HostileLayerError(layer.digest, "(stream)", "corrupt compressed stream at "
+                                    f"byte {self.compressed.count}: {exc}") from exc
+        found = f"sha256:{self.compressed.sha256.hexdigest()}"
+        if found != layer.digest:
+            raise BlobDigestError(layer.digest, found, layer.path)
+        tar_digest = f"sha256:{self.sha256.hexdigest()}"
+        if diff_id and layer.diff_id is not None and tar_digest != layer.diff_id:
+            raise HostileLayerError(layer.digest, "(content)",
+                                    f"its uncompressed content hashes to {tar_digest[:19]}, "
+                                    f"not to the image config's diff_id {layer.diff_id[:19]}")
 
     def close(self) -> None:
         self.raw.close()
@@ -141,15 +206,39 @@ def open_layer(path: Path) -> ForwardReader:
     handle = open(path, "rb")
     magic = handle.read(4)
     handle.seek(0)
+    compressed = _HashingFile(handle)
     if magic[:2] == b"\x1f\x8b":
-        raw: BinaryIO = igzip.IGzipFile(fileobj=handle, mode="rb")  # type: ignore[assignment]
+        raw: BinaryIO = igzip.IGzipFile(fileobj=compressed, mode="rb")  # type: ignore[assignment]
     elif magic == b"\x28\xb5\x2f\xfd":
-        import zstandard
-
-        raw = zstandard.ZstdDecompressor().stream_reader(handle)  # type: ignore[assignment]
+        raw = zstandard.ZstdDecompressor().stream_reader(  # type: ignore[assignment]
+            compressed, read_across_frames=True)
     else:
-        raw = handle
-    return ForwardReader(raw, handle)
+        raw = compressed  # type: ignore[assignment]
+    return ForwardReader(raw, handle, compressed)
+
+
+def _check_end(raw: ForwardReader, end: int, layer: LayerSource) -> None:
+    """What follows the last member must be the end-of-archive (zero blocks) and nothing
+    else: tarfile stops quietly at a header it cannot parse, at a short read, or at the
+    end of the stream, and reads all three as the end of the archive."""
+    if raw.last_start == end:
+        block = raw.last
+    else:  # tarfile did not read there: the stream ended earlier
+        block = b""
+    if len(block) < tarfile.BLOCKSIZE:
+        raise HostileLayerError(layer.digest, "(stream)",
+                                f"truncated at byte {max(raw.position, end)}: no "
+                                "end-of-archive")
+    if block.strip(b"\0"):
+        raise HostileLayerError(layer.digest, "(stream)",
+                                f"a header that does not parse at byte {end}")
+    position = end + tarfile.BLOCKSIZE
+    while chunk := raw.read(ForwardReader.STEP):
+        if chunk.strip(b"\0"):
+            offset = position + len(chunk) - len(chunk.lstrip(b"\0"))
+            raise HostileLayerError(layer.digest, "(stream)",
+                                    f"data after the end-of-archive at byte {offset}")
+        position += len(chunk)
 
 
 def read_members(layer: LayerSource) -> list[tarfile.TarInfo]:
@@ -159,17 +248,27 @@ def read_members(layer: LayerSource) -> list[tarfile.TarInfo]:
     except OSError as exc:
         raise HostileLayerError(layer.digest, "(blob)", f"cannot read: {exc}") from exc
     with raw:
+        members: list[tarfile.TarInfo] = []
+        end = 0
         try:
             # Random-access mode on a forward-seekable decompressor: headers are parsed
             # and file data is skipped by seeking, never copied through Python.
             with tarfile.open(fileobj=raw, mode="r:", errorlevel=2) as tar:
-                return tar.getmembers()
-        except (EOFError, zlib.error, OSError, tarfile.ReadError) as exc:
+                members = tar.getmembers()
+                end = tar.offset
+        except (*STREAM_ERRORS, tarfile.ReadError) as exc:
             why = str(exc) or type(exc).__name__
-            if isinstance(exc, tarfile.ReadError) and "empty file" in why:
-                return []  # a layer with no entries is legal
-            raise HostileLayerError(layer.digest, "(stream)",
-                                    f"truncated or corrupt layer: {why}") from exc
+            if not (isinstance(exc, tarfile.ReadError) and "empty file" in why):
+                raise HostileLayerError(layer.digest, "(stream)", "truncated or corrupt layer "
+                                        f"at byte {raw.position}: {why}") from exc
+            # a layer with no entries is legal: its first block ends the archive
+        try:
+            _check_end(raw, end, layer)
+        except STREAM_ERRORS as exc:
+            raise HostileLayerError(layer.digest, "(stream)", "truncated or corrupt layer "
+                                    f"at byte {raw.position}: {exc}") from exc
+        raw.verify(layer, diff_id=False)
+        return members
 
 
 def normalize(name: str, layer: str, what: str = "path") -> str:
@@ -313,7 +412,11 @@ def _merge_member(merger: _Merger, number: int, index: int, member: tarfile.TarI
             merger.empty_dir(parent, below_layer=number)
         else:
             count.whiteouts += 1
-            hidden = f"{parent}/{base[len(WHITEOUT):]}" if parent else base[len(WHITEOUT):]
+            name = base[len(WHITEOUT):]
+            if name in ("", ".", "..") or name.startswith(WHITEOUT):
+                raise HostileLayerError(layer.digest, member.name,
+                                        f"a whiteout of {name!r}, which is not a plain name")
+            hidden = f"{parent}/{name}" if parent else name
             merger.remove(hidden, below_layer=number)
         return
     merger.ensure_parents(path, layer, member.name)
@@ -384,39 +487,49 @@ def flattened(view: MergedView, layers: list[LayerSource]) -> Iterator[Item]:
     try:
         for number, layer in enumerate(layers):
             with open_layer(layer.path) as source:
-                for index, member in enumerate(view.members[number]):
-                    entry = (number, index)
-                    if entry in orphans and member.isfile():
-                        source.seek(member.offset_data)
-                        spool = tempfile.SpooledTemporaryFile(max_size=64 << 20)
-                        spool.write(_read_exactly(source, member.size, layer, member))
-                        kept[entry] = spool
-                    if entry not in winners:
-                        continue
-                    path = by_entry[entry]
-                    node = view.nodes[path]
-                    mode = _fixed_mode(node.kind, member.mode)
-                    if node.kind == "file":
-                        source.seek(member.offset_data)
-                        yield Item(path, "file", mode, int(member.mtime), member.size,
-                                   _Exact(source, member.size, layer, member))
-                    elif node.kind == "hardlink":
-                        owner = data_owner.get(node.data)
-                        if owner is not None:
-                            yield Item(path, "hardlink", mode, int(member.mtime), link=owner)
-                        else:
-                            spool = kept[node.data]  # type: ignore[index]
-                            size = spool.seek(0, io.SEEK_END)
-                            spool.seek(0)
-                            yield Item(path, "file", mode, int(member.mtime), size, spool)
-                            data_owner[node.data] = path  # later links point here
-                    else:
-                        yield Item(path, node.kind, mode, int(member.mtime), link=node.link)
+                yield from _layer_items(view, number, layer, source, winners, by_entry,
+                                        data_owner, orphans, kept)
+                # What was streamed is what the digests promise, or nothing is published.
+                source.verify(layer, diff_id=True)
     finally:
         for spool in kept.values():
             spool.close()
     for path, (content, mode) in sorted(view.extra_files.items()):
         yield Item(path, "file", mode, 0, len(content), io.BytesIO(content))
+
+
+def _layer_items(view: MergedView, number: int, layer: LayerSource, source: ForwardReader,
+                 winners: set[Entry], by_entry: dict[Entry, str], data_owner: dict[Entry, str],
+                 orphans: set[Entry | None], kept: dict[Entry, tempfile.SpooledTemporaryFile]
+                 ) -> Iterator[Item]:
+    for index, member in enumerate(view.members[number]):
+        entry = (number, index)
+        if entry in orphans and member.isfile():
+            source.seek(member.offset_data)
+            spool = tempfile.SpooledTemporaryFile(max_size=64 << 20)
+            spool.write(_read_exactly(source, member.size, layer, member))
+            kept[entry] = spool
+        if entry not in winners:
+            continue
+        path = by_entry[entry]
+        node = view.nodes[path]
+        mode = _fixed_mode(node.kind, member.mode)
+        if node.kind == "file":
+            source.seek(member.offset_data)
+            yield Item(path, "file", mode, int(member.mtime), member.size,
+                       _Exact(source, member.size, layer, member))
+        elif node.kind == "hardlink":
+            owner = data_owner.get(node.data)
+            if owner is not None:
+                yield Item(path, "hardlink", mode, int(member.mtime), link=owner)
+            else:
+                spool = kept[node.data]  # type: ignore[index]
+                size = spool.seek(0, io.SEEK_END)
+                spool.seek(0)
+                yield Item(path, "file", mode, int(member.mtime), size, spool)
+                data_owner[node.data] = path  # later links point here
+        else:
+            yield Item(path, node.kind, mode, int(member.mtime), link=node.link)
 
 
 def write_stream(view: MergedView, layers: list[LayerSource], out: IO[bytes]) -> int:
@@ -506,7 +619,7 @@ def _read_exactly(source: BinaryIO, size: int, layer: LayerSource,
                   member: tarfile.TarInfo) -> bytes:
     try:
         data = source.read(size)
-    except (EOFError, zlib.error, OSError) as exc:
+    except STREAM_ERRORS as exc:
         raise HostileLayerError(layer.digest, member.name,
                                 f"truncated or corrupt layer: {exc}") from exc
     if len(data) != size:

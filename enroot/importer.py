@@ -41,10 +41,6 @@ def get(uri: str) -> Path:
                                                     else None)
     settings = load_settings(explicit)
     ref = Reference.parse(uri, default_registry=settings.registry.address)
-    if ref.registry != settings.registry.address:
-        raise ImgpipeError(f"{uri}: only images of {settings.registry.address} are served "
-                           "from imgpipe's cache",
-                           hint="use the head-node registry's address in --container-image")
     enroot = settings.enroot
     conversion = convert(
         registry_client(settings), storage(settings), ref,

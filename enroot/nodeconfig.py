@@ -134,7 +134,7 @@ def render(settings: Settings, importer_path: str, pyxis_version: Version | None
         "# The per-user Enroot folders of the enroot.conf lines above live under these:",
         "install -d -m 1777 /run/enroot /var/lib/enroot-cache /tmp/enroot-data",
         "# The shared squashfs folder: every user's jobs create lock files and may convert,",
-        "# so it is world-writable with the sticky bit (or 2775 with a group of all job users):",
+        "# so it is world-writable with the sticky bit (or 3775 with a group of all job users):",
         f"install -d -m 1777 {squashfs}",
     ]
     return NodeConfig("\n".join(lines) + "\n", "\n".join(plugstack) + "\n",

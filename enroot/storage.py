@@ -2,7 +2,9 @@
 
 Layout under ``root`` (the cluster filesystem, shared by every node)::
 
-    <repo>+sha256-<hex>.sqsh      published squashfs files, keyed by manifest digest
+    <repo>+sha256-<hex>+<compression>-f<N>.sqsh
+                                  published squashfs files, keyed by manifest digest,
+                                  compression and FORMAT (what a conversion puts in one)
     .imgpipe/VERSION              layout version
     .imgpipe/CACHEDIR.TAG         tells backup tools this is a cache
     .imgpipe/blobs/sha256/<hex>   verified registry blobs, shared by all images
@@ -15,9 +17,11 @@ nobody else can be writing it.
 
 Shared by every user: Pyxis runs the importer as the job's user, so on a cluster the
 root folder is world-writable with the sticky bit (``install -d -m 1777``) or
-group-writable with setgid (2775).  The folders imgpipe creates under it take the
-root's mode; lock files are created once, exclusively, readable and writable by all
-(fcntl locks need a file every user can open), and opened without following links.
+group-writable with setgid and sticky (3775).  A cache folder that others may write
+without the sticky bit is refused: they could rename files away and plant their own.
+The folders imgpipe creates under it take the root's mode; lock files are created
+once, exclusively, readable and writable by all (fcntl locks need a file every user
+can open), and opened without following links.
 """
 
 from __future__ import annotations
@@ -36,6 +40,10 @@ from imgpipe.enroot.errors import ConvertError
 from imgpipe.pipeline.files import TMP_PREFIX, atomic_write
 
 LAYOUT_VERSION = "1"
+# The content a conversion makes, beyond the layers: bumped when it changes (2: empty
+# /etc/hosts and /etc/resolv.conf mount points, layers verified against their diff_ids),
+# so a file made by an older imgpipe is never returned for a newer one's key.
+FORMAT = "2"
 RAM_DIR = Path("/dev/shm")
 RAM_RESERVE = 1 << 30  # leave this much of /dev/shm to everyone else
 CACHEDIR_TAG = ("Signature: 8a477f597d28d172789f06886806bc55\n"
@@ -76,14 +84,17 @@ class Storage:
         return stat.S_IMODE(self.root.stat().st_mode) & 0o3777
 
     def prepare(self) -> None:
-        """Create the layout (idempotent); refuse a layout of another version."""
+        """Create the layout (idempotent); refuse a layout of another version, and folders
+        another user could swap entries in."""
         try:
             self.root.mkdir(parents=True, exist_ok=True)
+            _check_folder(self.root)
             mode = self._shared_mode()
             for folder in (self.meta, self.blobs.parent, self.blobs, self.locks, self.tmp):
                 try:
                     folder.mkdir()
                 except FileExistsError:
+                    _check_folder(folder)
                     continue
                 os.chmod(folder, mode)  # mkdir's mode is cut by the umask
             version_file = self.meta / "VERSION"
@@ -108,19 +119,25 @@ class Storage:
         where = exc.filename or self.root
         return ConvertError(
             f"squashfs directory {self.root}: permission denied on {where}",
-            hint=f"every job user must be able to write it: chmod 1777 {self.root} (or 2775 "
+            hint=f"every job user must be able to write it: chmod 1777 {self.root} (or 3775 "
             "with a group of all job users); see imgpipe node-config")
 
     def blob(self, digest: str) -> Path:
         return self.blobs / digest_hex(digest)
 
-    def squashfs(self, repository: str, digest: str) -> Path:
-        return self.root / f"{repository.replace('/', '+')}+sha256-{digest_hex(digest)}.sqsh"
+    def squashfs(self, repository: str, digest: str, compression: str) -> Path:
+        """Where the squashfs of (digest, compression, FORMAT) is published."""
+        return self.root / (f"{repository.replace('/', '+')}+sha256-{digest_hex(digest)}"
+                            f"+{compression}-f{FORMAT}.sqsh")
 
-    def find_squashfs(self, digest: str) -> Path | None:
-        """The published file for ``digest`` whatever repository it came from."""
-        matches = sorted(self.root.glob(f"*+sha256-{digest_hex(digest)}.sqsh"))
-        return matches[0] if matches else None
+    def find_squashfs(self, digest: str, compression: str) -> Path | None:
+        """The published file for ``digest`` in ``compression``, whatever repository it came
+        from; a regular file only (a link planted there is not an answer)."""
+        pattern = f"*+sha256-{digest_hex(digest)}+{compression}-f{FORMAT}.sqsh"
+        for match in sorted(self.root.glob(pattern)):
+            if match.is_file() and not match.is_symlink():
+                return match
+        return None
 
     @contextlib.contextmanager
     def lock(self, digest: str, on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
@@ -155,7 +172,7 @@ class Storage:
         """Delete leftovers of crashed conversions of ``digest`` (call with its lock held)."""
         hexpart = digest_hex(digest)
         removed = 0
-        for leftover in [*self.root.glob(f"{TMP_PREFIX}*sha256-{hexpart}.sqsh.*"),
+        for leftover in [*self.root.glob(f"{TMP_PREFIX}*sha256-{hexpart}*.sqsh.*"),
                          *self.tmp.glob(f"{hexpart}.*"),
                          *(RAM_DIR.glob(f"imgpipe-{hexpart}.{socket.gethostname()}.*")
                            if RAM_DIR.is_dir() else [])]:
@@ -206,3 +223,19 @@ def _open_lock_file(path: Path) -> int:
         os.fchmod(fd, 0o666)
         return fd
     raise ConvertError(f"cannot open lock file {path}: it keeps disappearing")
+
+
+def _check_folder(folder: Path) -> None:
+    """A cache folder must be a real directory (not a link to one), and if users other
+    than its owner may write it, sticky: else any of them could rename a published file
+    or another user's temporary away and put theirs in its place."""
+    info = folder.lstat()
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise ConvertError(f"{folder} is not a directory (a link or a file stands there)",
+                           hint="remove it; imgpipe makes its cache folders itself")
+    shared = info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    if shared and not info.st_mode & stat.S_ISVTX:
+        mode = stat.S_IMODE(info.st_mode)
+        raise ConvertError(f"cache folder {folder} is writable by other users without the "
+                           f"sticky bit (mode {mode:04o}): they could swap its files",
+                           hint=f"chmod {mode | stat.S_ISVTX:04o} {folder}")

@@ -88,7 +88,7 @@ def status(ctx: click.Context) -> Result:
         client = registry_client(settings)
         client.ping()
         repositories = client.catalog()
-        tags = sum(len(client.tags(repo)) for repo in repositories)
+        tags = sum(len(client.listed_tags(repo)) for repo in repositories)
     except ImgpipeError as exc:
         data["error"] = exc.message
         lines.append(f"reachable: no ({exc.message})")
@@ -106,7 +106,7 @@ def status(ctx: click.Context) -> Result:
 def list_repositories(ctx: click.Context) -> Result:
     """List every repository with its tags (pages through the whole catalog)."""
     client = registry_client(settings_of(ctx))
-    repositories = [{"name": repo, "tags": sorted(client.tags(repo))}
+    repositories = [{"name": repo, "tags": sorted(client.listed_tags(repo))}
                     for repo in client.catalog()]
     lines = [f"{r['name']}  {', '.join(r['tags']) or '(no tags)'}" for r in repositories]
     if not repositories:

@@ -57,6 +57,9 @@ class RegistryConfig(_Strict):
     ca_file: Path | None = None
     credentials: CredentialsConfig = CredentialsConfig()
     server: ServerConfig = ServerConfig()
+    connect_timeout_s: float = Field(default=5.0, gt=0, le=600)
+    read_timeout_s: float = Field(default=20.0, gt=0, le=3600,
+                                  description="give up after this much silence")
 
     @field_validator("host")
     @classmethod

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import secrets
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,16 +20,29 @@ TMP_PREFIX = ".tmp-"
 
 
 def temporary_name(final: Path) -> Path:
-    """A name beside ``final`` that is unique per host and process."""
-    return final.with_name(f"{TMP_PREFIX}{final.name}.{socket.gethostname()}.{os.getpid()}")
+    """A name beside ``final``, unique per host and process and not guessable: in a folder
+    other users write (the shared squashfs cache), a name they could predict is a name they
+    could plant a link at."""
+    return final.with_name(f"{TMP_PREFIX}{final.name}.{socket.gethostname()}.{os.getpid()}."
+                           f"{secrets.token_hex(6)}")
 
 
 @contextlib.contextmanager
-def atomic_path(final: str | os.PathLike[str], mode: int | None = None) -> Iterator[Path]:
-    """Yield a temporary path; on success rename it onto ``final``, else remove it."""
+def atomic_path(final: str | os.PathLike[str], mode: int | None = None,
+                create: bool = True) -> Iterator[Path]:
+    """Yield a temporary path; on success rename it onto ``final``, else remove it.
+
+    The temporary file is created here, exclusively and never through a link
+    (``O_EXCL | O_NOFOLLOW``, mode 0600), so writers open a file this process made.
+    ``create=False`` leaves the name free for a program that refuses existing outputs.
+    """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_name(final)
+    if create:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        os.close(fd)
     try:
         yield tmp
         if mode is not None:

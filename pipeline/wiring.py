@@ -27,7 +27,8 @@ def registry_credentials(settings: Settings) -> Credentials | None:
 def registry_client(settings: Settings) -> RegistryClient:
     registry = settings.registry
     ca_file = settings.path(registry.ca_file) if registry.ca_file else None
-    return RegistryClient(registry.url, credentials=registry_credentials(settings), ca_file=ca_file)
+    return RegistryClient(registry.url, credentials=registry_credentials(settings), ca_file=ca_file,
+                          timeout=(registry.connect_timeout_s, registry.read_timeout_s))
 
 
 def storage(settings: Settings) -> Storage:

@@ -20,6 +20,7 @@ from urllib.parse import urljoin
 
 import requests
 from requests.adapters import HTTPAdapter
+from urllib3.exceptions import ReadTimeoutError
 from urllib3.util.retry import Retry
 
 from imgpipe.pipeline.files import atomic_path
@@ -36,7 +37,8 @@ INDEX_TYPES = {DOCKER_LIST, OCI_INDEX}
 MANIFEST_ACCEPT = ", ".join([DOCKER_MANIFEST, DOCKER_LIST, OCI_MANIFEST, OCI_INDEX])
 
 CONNECT_TIMEOUT_S = 5.0
-READ_TIMEOUT_S = 60.0
+READ_TIMEOUT_S = 20.0  # of silence: a stalled registry is given up on, not waited for
+REGISTRY_HEADER = "Docker-Distribution-API-Version"
 CHUNK = 1 << 20
 PAGE_SIZE = 100  # registry:2 rejects n above 1000 and answers 100 when n is absent
 
@@ -104,10 +106,12 @@ class RegistryClient:
         # Proxy variables from the environment must not divert registry traffic
         # to a head-node registry through an intercepting proxy.
         self.session.trust_env = False
+        # Refused connections and 5xx answers are retried; a read that timed out is not:
+        # a registry silent for the whole read timeout would otherwise cost it 4 times.
         retry = Retry(
             total=retries,
             connect=retries,
-            read=retries,
+            read=0,
             status=retries,
             backoff_factor=0.3,
             status_forcelist=(500, 502, 503, 504),
@@ -147,6 +151,10 @@ class RegistryClient:
                 break
             response.close()
             self._authorization = self.auth.answer(response, self.address)
+        if (response.status_code >= 400 and REGISTRY_HEADER not in response.headers
+                and not _registry_errors(response)):
+            # A web server's 404 is not "no such image": say what answered.
+            raise self._status_error(method, url, response)
         if response.status_code == 401 and 401 not in accepted:
             raise AuthError(
                 f"registry {self.address} refused the credentials ({method} {path})",
@@ -172,6 +180,14 @@ class RegistryClient:
                 method=method, url=url,
             ) from exc
         except requests.exceptions.ConnectionError as exc:
+            reason = getattr(exc.args[0] if exc.args else None, "reason", None)
+            if isinstance(reason, ReadTimeoutError):
+                raise RegistryError(
+                    f"the registry at {self.base_url} did not answer in time: silent for "
+                    f"{self.timeout[1]:g} s ({method} {url})",
+                    hint="raise registry.read_timeout_s in imgpipe.yaml if it is only slow",
+                    method=method, url=url,
+                ) from exc
             raise RegistryError(
                 f"cannot reach the registry at {self.base_url}",
                 hint="start it with `imgpipe registry up`, or fix registry.host/port "
@@ -189,6 +205,13 @@ class RegistryClient:
 
     @staticmethod
     def _status_error(method: str, url: str, response: requests.Response) -> RegistryError:
+        if REGISTRY_HEADER not in response.headers and not _registry_errors(response):
+            kind = response.headers.get("Content-Type", "no content type").split(";")[0]
+            return RegistryError(
+                f"{method} {url}: HTTP {response.status_code} from a server that is not a "
+                f"Docker registry ({kind}, no {REGISTRY_HEADER} header)",
+                hint="check registry.host and registry.port in imgpipe.yaml",
+                method=method, url=url, status=response.status_code, registry_code="NOT_A_REGISTRY")
         code, detail = None, ""
         try:
             errors = response.json().get("errors") or []
@@ -229,6 +252,16 @@ class RegistryClient:
             url = urljoin(response.url, nxt) if nxt else None
             params = None
         return items
+
+    def listed_tags(self, repository: str) -> list[str]:
+        """Tags of a repository the catalog lists: none when it holds only blobs (an
+        interrupted push, or a repository whose tags were all deleted)."""
+        try:
+            return self.tags(repository)
+        except RegistryError as exc:
+            if exc.registry_code == "NAME_UNKNOWN":
+                return []
+            raise
 
     def catalog(self, page_size: int = PAGE_SIZE) -> list[str]:
         """Every repository, following the Link header page by page."""
@@ -317,7 +350,9 @@ class RegistryClient:
             response = self.request("GET", url_path, stream=True)
             hasher = hashlib.sha256()
             try:
-                with open(tmp, "wb") as out:
+                # The temporary was made exclusively for this process; never through a link.
+                fd = os.open(tmp, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC)
+                with os.fdopen(fd, "wb") as out:
                     for chunk in response.iter_content(CHUNK):
                         hasher.update(chunk)
                         out.write(chunk)
@@ -336,6 +371,15 @@ class RegistryClient:
                     method="GET", url=url_path,
                 )
         return Path(dest)
+
+
+def _registry_errors(response: requests.Response) -> bool:
+    """True when the body is the registry API's error document ({"errors": [...]})."""
+    try:
+        body = response.json()
+    except ValueError:
+        return False
+    return isinstance(body, dict) and isinstance(body.get("errors"), list)
 
 
 def select_platform(index: dict[str, Any], platform: Platform) -> dict[str, Any]:

@@ -184,15 +184,34 @@ def push_blob(session: requests.Session, url: str, repo: str, data: bytes) -> st
     return digest
 
 
+def diff_id_of(layer: bytes) -> str:
+    """The digest of a layer's uncompressed tar (what an image config lists)."""
+    import gzip
+    import zlib
+
+    if layer[:2] == b"\x1f\x8b":
+        try:
+            return digest_of(gzip.decompress(layer))
+        except (OSError, EOFError, zlib.error):
+            return digest_of(layer)  # a broken layer: refused before its diff_id matters
+    return digest_of(layer)
+
+
 def push_image(session: requests.Session, url: str, repo: str, tag: str,
-               layers: list[bytes], env: list[str] | None = None) -> str:
-    """Push a runnable-shaped image manifest (v2 schema 2); returns the manifest digest."""
+               layers: list[bytes], env: list[str] | None = None,
+               diff_ids: list[str] | None = None, media_type: str | None = None) -> str:
+    """Push a runnable-shaped image manifest (v2 schema 2); returns the manifest digest.
+    ``diff_ids`` and ``media_type`` override what a correct image would say."""
     layer_descs = []
-    diff_ids = []
+    computed = []
     for layer in layers:
-        layer_descs.append({"mediaType": "application/vnd.docker.image.rootfs.diff.tar",
-                            "size": len(layer), "digest": push_blob(session, url, repo, layer)})
-        diff_ids.append(digest_of(layer))
+        kind = media_type or ("application/vnd.docker.image.rootfs.diff.tar.gzip"
+                              if layer[:2] == b"\x1f\x8b"
+                              else "application/vnd.docker.image.rootfs.diff.tar")
+        layer_descs.append({"mediaType": kind, "size": len(layer),
+                            "digest": push_blob(session, url, repo, layer)})
+        computed.append(diff_id_of(layer))
+    diff_ids = diff_ids if diff_ids is not None else computed
     config = json.dumps({
         "architecture": "amd64", "os": "linux",
         "created": dt.datetime(2026, 1, 1, tzinfo=dt.UTC).isoformat(),

@@ -66,6 +66,22 @@ def raw_pax_layer(name_bytes: bytes) -> bytes:
 
 
 BASE = layer(entry("etc/", tarfile.DIRTYPE), entry("etc/passwd", data=b"root:x:0:0\n"))
+FIVE = layer(*[entry(f"f{i}", data=b"x" * 100) for i in range(5)], compress=False)
+# Each of the five: one header block and one data block, so the third header is at 2048.
+MEMBERS_END = 5 * 1024
+
+
+def garbage_header() -> bytes:
+    """GNU tar lists 5 files and exits 2; Python's tarfile sees 2 and stops quietly."""
+    raw = bytearray(FIVE)
+    raw[2048:2560] = (b"not a header " * 40)[:512]
+    return gzip.compress(bytes(raw))
+
+
+def bad_gzip_trailer() -> bytes:
+    packed = bytearray(gzip.compress(FIVE))
+    packed[-8] ^= 0xFF  # the CRC32 of the uncompressed data
+    return bytes(packed)
 
 # name -> (layers bottom first, expected words in the error)
 CASES: dict[str, tuple[list[bytes], str]] = {
@@ -105,7 +121,14 @@ CASES: dict[str, tuple[list[bytes], str]] = {
     "not a tar at all": ([gzip.compress(os.urandom(4096))], "truncated or corrupt layer"),
     "file data cut short": ([gzip.compress(layer(entry("big", data=b"x" * 20000),
                                                  compress=False)[:4096])],
-                            "truncated or corrupt layer"),
+                            "truncated or corrupt layer at byte"),
+    "garbage header mid-layer": ([garbage_header()], "a header that does not parse at byte 2048"),
+    "no end-of-archive": ([gzip.compress(FIVE[:MEMBERS_END])], "no end-of-archive"),
+    "data after the end-of-archive": ([gzip.compress(FIVE + b"trailing junk" + b"\0" * 499)],
+                                      f"data after the end-of-archive at byte {len(FIVE)}"),
+    "bad gzip trailer": ([bad_gzip_trailer()], "corrupt layer"),
+    "whiteout of dotdot": ([BASE, layer(entry("etc/.wh.."))], "which is not a plain name"),
+    "whiteout of a whiteout": ([BASE, layer(entry("etc/.wh..wh.x"))], "not a plain name"),
 }
 
 
@@ -178,6 +201,24 @@ def test_device_nodes_and_dev_entries_are_dropped_not_fatal(jail, registry_serve
                              capture_output=True, text=True, check=True).stdout.split()
     assert "R/dev" in listing and "R/ok" in listing
     assert not [p for p in listing if p.startswith("R/dev/") or p == "R/disk"]
+
+
+def test_a_diff_id_other_than_the_content_is_refused(jail, registry_server, tmp_path) -> None:
+    cli, outside = jail
+    services.push_image(services.plain_session(), registry_server.url, "hostile/diffid", "1",
+                        [BASE], diff_ids=[services.digest_of(b"something else")])
+    code, _, err = cli("convert", f"{registry_server.address}/hostile/diffid:1")
+    assert code == 1
+    assert "not to the image config's diff_id" in err and "Traceback" not in err
+    assert not list((cli.folder / "sqsh").glob("*.sqsh"))
+
+
+def test_an_unknown_layer_media_type_is_refused(jail, registry_server) -> None:
+    cli, _ = jail
+    services.push_image(services.plain_session(), registry_server.url, "hostile/foreign", "1",
+                        [BASE], media_type="application/vnd.example.helm.chart.v1+gzip")
+    code, _, err = cli("convert", f"{registry_server.address}/hostile/foreign:1")
+    assert code == 1 and "unknown layer media type" in err
 
 
 def test_at_least_fifteen_hostile_cases() -> None:

@@ -232,3 +232,15 @@ def test_doctor_reports_each_piece_with_a_fix(cli, docker_engine) -> None:
     assert code == 1  # a required piece (the registry) is missing
     for check in checks.values():
         assert check["verdict"] == "ok" or check["fix"], check
+
+
+def test_ls_lists_a_repository_that_holds_only_blobs(cli, registry_server) -> None:
+    """An interrupted push leaves a repository in the catalog with no tags (its tag list
+    answers NAME_UNKNOWN): `ls` shows it empty instead of failing on it."""
+    services.push_blob(services.plain_session(), registry_server.url, "cli/blobs-only",
+                       b"orphan layer")
+    cli.write_config({"registry": {"port": registry_server.port}})
+    code, out, err = cli("registry", "ls", "--json")
+    assert code == 0, err
+    listed = {r["name"]: r["tags"] for r in json.loads(out)["data"]["repositories"]}
+    assert listed["cli/blobs-only"] == []

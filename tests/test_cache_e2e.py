@@ -1,0 +1,257 @@
+"""The shared squashfs cache against a hostile neighbour: planted links, and cached blobs
+changed after they were fetched.  A real registry, real files, the CLI in-process.
+
+What the cache promises: nothing outside it is ever written or followed, and a published
+squashfs holds exactly the layers of the digest in its name (sha256-equal to a conversion
+from untouched blobs), whatever was done to the cache in between.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import os
+import socket
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from tests import services
+from tests.conftest import CliRun
+
+pytestmark = pytest.mark.e2e
+
+
+def _layer(files: dict[str, bytes]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(data), 0o644, 1_700_000_000
+            tar.addfile(info, io.BytesIO(data))
+    return gzip.compress(buffer.getvalue(), mtime=0)
+
+
+LOWER = _layer({f"lib/file{i}": os.urandom(2000) for i in range(200)})
+UPPER = _layer({"etc/hostname": b"upper\n", "bin/tool": b"#!/bin/sh\necho hi\n"})
+OTHER = _layer({"etc/hostname": b"swapped in\n"})
+
+
+@pytest.fixture(scope="module")
+def image(registry_server) -> str:
+    services.push_image(services.plain_session(), registry_server.url, "cache/victim", "1",
+                        [LOWER, UPPER])
+    return f"{registry_server.address}/cache/victim:1"
+
+
+def _cli(tmp_path: Path, capsys, registry_server, name: str) -> CliRun:
+    folder = tmp_path / name
+    folder.mkdir()
+    cli = CliRun(folder, capsys)
+    cli.write_config({"registry": {"port": registry_server.port},
+                      "outputs": {"squashfs_dir": str(folder / "sqsh")}})
+    return cli
+
+
+def _convert(cli: CliRun, ref: str) -> tuple[Path, str]:
+    """Converted as a user runs it (progress on stderr); the published file and stderr."""
+    code, out, err = cli("convert", ref)
+    assert code == 0, err
+    assert "Traceback" not in err
+    [published] = (cli.folder / "sqsh").glob("*.sqsh")
+    return published, out + err
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def untouched(image, tmp_path_factory, registry_server) -> str:
+    """sha256 of the squashfs made from blobs nobody touched."""
+    folder = tmp_path_factory.mktemp("untouched")
+
+    class Quiet:
+        def readouterr(self) -> tuple[str, str]:
+            return "", ""
+
+    cli = CliRun(folder, Quiet())  # type: ignore[arg-type]
+    cli.write_config({"registry": {"port": registry_server.port},
+                      "outputs": {"squashfs_dir": str(folder / "sqsh")}})
+    from imgpipe.pipeline.cli import main
+
+    old = Path.cwd()
+    os.chdir(folder)
+    try:
+        assert main(["convert", image]) == 0
+    finally:
+        os.chdir(old)
+    [published] = (folder / "sqsh").glob("*.sqsh")
+    return _sha(published)
+
+
+def _spoil_flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 16] = bytes(b ^ 0xFF for b in data[middle:middle + 16])
+    path.write_bytes(bytes(data))
+
+
+def _spoil_swap(path: Path) -> None:
+    path.write_bytes(OTHER)  # a valid layer, just not this one
+
+
+def _spoil_truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 3])
+
+
+@pytest.mark.parametrize("spoil", [_spoil_flip, _spoil_swap, _spoil_truncate],
+                         ids=["flipped", "swapped", "truncated"])
+@pytest.mark.parametrize("which", [LOWER, UPPER], ids=["lower", "upper"])
+def test_a_spoiled_cached_blob_is_evicted_fetched_again_and_never_published(
+        image, untouched, tmp_path, capsys, registry_server, spoil, which) -> None:
+    cli = _cli(tmp_path, capsys, registry_server, "spoiled")
+    first, _ = _convert(cli, image)
+    first.unlink()  # so the next convert works from the cached blobs
+    blob = cli.folder / "sqsh/.imgpipe/blobs/sha256" / services.digest_of(which).split(":")[1]
+    spoil(blob)
+    again, err = _convert(cli, image)
+    assert "did not match its digest: evicted and fetched again" in err
+    assert _sha(again) == untouched
+    assert blob.read_bytes() == which  # the cache holds the right bytes again
+
+
+def test_planted_links_are_never_followed(image, untouched, tmp_path, capsys,
+                                          registry_server) -> None:
+    """Links at every name the old scheme made predictable (.tmp-<name>.<host>.<pid>) for a
+    range of pids, and at the blob's own cache entry: the victim is never written, the cache
+    entry ends a regular file."""
+    cli = _cli(tmp_path, capsys, registry_server, "planted")
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    blobs = cli.folder / "sqsh/.imgpipe/blobs/sha256"
+    blobs.mkdir(parents=True)
+    host = socket.gethostname()
+    names = [services.digest_of(b).split(":")[1] for b in (LOWER, UPPER)]
+    for name in names:
+        for pid in range(max(2, os.getpid() - 200), os.getpid() + 200):
+            (blobs / f".tmp-{name}.{host}.{pid}").symlink_to(victim)
+    (blobs / names[0]).symlink_to(victim)  # the cache entry itself
+    published, _ = _convert(cli, image)
+    assert victim.read_text() == "precious\n"
+    assert not (blobs / names[0]).is_symlink()
+    assert _sha(published) == untouched
+
+
+def test_a_cache_folder_others_can_swap_files_in_is_refused(image, tmp_path, capsys,
+                                                            registry_server) -> None:
+    cli = _cli(tmp_path, capsys, registry_server, "unsafe")
+    (cli.folder / "sqsh").mkdir()
+    os.chmod(cli.folder / "sqsh", 0o777)  # world-writable, no sticky bit
+    code, _, err = cli("convert", image)
+    assert code == 1
+    assert err.strip().splitlines()[-1] == (
+        f"error: cache folder {cli.folder / 'sqsh'} is writable by other users without the "
+        f"sticky bit (mode 0777): they could swap its files (hint: chmod 1777 "
+        f"{cli.folder / 'sqsh'})")
+    assert not list((cli.folder / "sqsh").iterdir())
+
+
+@pytest.mark.parametrize("other", ["127.0.0.1:5099/cache/victim:1",
+                                   "nohost.invalid:443/cache/victim:1",
+                                   "nvcr.io/imgpipe/bert:latest-cpu"])
+def test_a_reference_to_another_registry_is_refused(image, tmp_path, capsys, registry_server,
+                                                    other: str) -> None:
+    cli = _cli(tmp_path, capsys, registry_server, "other")
+    code, _, err = cli("convert", other)
+    assert code == 1
+    [line] = [x for x in err.splitlines() if x.startswith("error:")]
+    assert f"but imgpipe is configured for {registry_server.address}" in line
+    assert not list(cli.folder.rglob("*.sqsh"))
+
+
+def _compression_of(path: Path) -> str:
+    shown = subprocess.run(["unsquashfs", "-s", str(path)], capture_output=True, text=True,
+                           check=True).stdout
+    return next(line.split()[-1] for line in shown.splitlines()
+                if line.startswith("Compression "))
+
+
+def test_each_compression_is_its_own_cache_entry(image, tmp_path, capsys,
+                                                 registry_server) -> None:
+    cli = _cli(tmp_path, capsys, registry_server, "compressions")
+    made = {}
+    for asked, tool_name in (("lz4", "lz4"), ("zstd", "zstd"), ("lzo-enroot", "lzo")):
+        code, out, err = cli("convert", image, "--compression", asked, "--json")
+        assert code == 0, err
+        data = json.loads(out)["data"]
+        path = Path(data["squashfs"])
+        assert data["compression"] == asked and f"+{asked}-f" in path.name
+        assert _compression_of(path) == tool_name
+        made[asked] = path
+    assert len(set(made.values())) == 3
+    code, out, _ = cli("convert", image, "--compression", "lz4", "--json")
+    assert code == 0
+    again = json.loads(out)["data"]
+    assert again["converted"] is False and Path(again["squashfs"]) == made["lz4"]
+
+
+def _server(handler_body) -> tuple[object, int]:
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        do_GET = do_HEAD = handler_body  # noqa: N815 (http.server's naming)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, server.server_address[1]
+
+
+def test_a_stalled_registry_is_given_up_on_within_the_read_timeout(tmp_path, capsys) -> None:
+    import time
+
+    def stall(self) -> None:
+        time.sleep(30)
+
+    server, port = _server(stall)
+    try:
+        cli = CliRun(tmp_path, capsys)
+        cli.write_config({"registry": {"port": port, "read_timeout_s": 2},
+                          "outputs": {"squashfs_dir": str(tmp_path / "sqsh")}})
+        started = time.monotonic()
+        code, _, err = cli("convert", f"127.0.0.1:{port}/some/image:1")
+        took = time.monotonic() - started
+    finally:
+        server.shutdown()  # type: ignore[attr-defined]
+    assert code == 1 and "did not answer in time" in err
+    assert took < 10, took  # one read timeout, not one per retry
+
+
+def test_a_server_that_is_not_a_registry_is_named_as_such(tmp_path, capsys) -> None:
+    def not_found(self) -> None:
+        self.send_response(404)
+        self.send_header("Content-Type", "text/html")
+        self.end_headers()
+        if self.command == "GET":
+            self.wfile.write(b"<html>Not Found</html>")
+
+    server, port = _server(not_found)
+    try:
+        cli = CliRun(tmp_path, capsys)
+        cli.write_config({"registry": {"port": port},
+                          "outputs": {"squashfs_dir": str(tmp_path / "sqsh")}})
+        code, _, err = cli("convert", f"127.0.0.1:{port}/some/image:1")
+    finally:
+        server.shutdown()  # type: ignore[attr-defined]
+    assert code == 1
+    assert "from a server that is not a Docker registry (text/html" in err
+    assert "is not in the registry" not in err
