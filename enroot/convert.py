@@ -79,6 +79,9 @@ def convert(client: RegistryClient, storage: Storage, ref: Reference,
     started = time.monotonic()
     require_served(ref, client.address)
     storage.prepare()
+    swept = storage.sweep()
+    if swept:
+        say(f"removed {swept} leftover(s) of interrupted runs")
     if ref.digest:  # pinned: no network needed when it was converted before
         existing = storage.find_squashfs(ref.digest, options.compression)
         if existing is not None:

@@ -78,4 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> None:
+    from imgpipe.pipeline.process import raise_on_sigterm
+
+    raise_on_sigterm()
     sys.exit(main())

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import IO, Literal
 
 from imgpipe.enroot.errors import ConvertError
-from imgpipe.pipeline.process import last_line, require
+from imgpipe.pipeline.process import die_with_parent, last_line, require
 
 Compression = Literal["zstd", "lz4", "lzo-enroot", "none"]
 ENROOT_OPTIONS = ["-comp", "lzo", "-noD"]
@@ -76,7 +76,8 @@ def _run_fed(argv: list[str], feed: Callable[[IO[bytes]], object], what: str,
     """Run ``argv`` while ``feed`` writes its stdin; the feeder's own error wins."""
     stderr_lines: list[bytes] = []
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, cwd=cwd, bufsize=PIPE_SIZE)
+                            stderr=subprocess.PIPE, cwd=cwd, bufsize=PIPE_SIZE,
+                            preexec_fn=die_with_parent)
     assert proc.stdin is not None and proc.stderr is not None
     with contextlib.suppress(OSError):  # a smaller pipe still works, only slower
         fcntl.fcntl(proc.stdin.fileno(), F_SETPIPE_SZ, PIPE_SIZE)
@@ -117,7 +118,7 @@ def squash_tree(fill: Callable[[Path], object], output: Path, options: SquashOpt
         fill(tree)
         result = subprocess.run(_mksquashfs_argv(options, tree, output), capture_output=True,
                                 text=True, stdin=subprocess.DEVNULL, timeout=SQUASH_TIMEOUT_S,
-                                check=False)
+                                check=False, preexec_fn=die_with_parent)
         if result.returncode != 0:
             raise ConvertError(f"mksquashfs failed (exit {result.returncode}): "
                                f"{last_line(result.stderr or result.stdout)}")

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from imgpipe.enroot.errors import ConvertError
-from imgpipe.pipeline.files import TMP_PREFIX, atomic_write
+from imgpipe.pipeline.files import TMP_PREFIX, atomic_write, orphaned, owner_tag
 
 LAYOUT_VERSION = "1"
 # The content a conversion makes, beyond the layers: bumped when it changes (2: empty
@@ -174,7 +174,8 @@ class Storage:
         removed = 0
         for leftover in [*self.root.glob(f"{TMP_PREFIX}*sha256-{hexpart}*.sqsh.*"),
                          *self.tmp.glob(f"{hexpart}.*"),
-                         *(RAM_DIR.glob(f"imgpipe-{hexpart}.{socket.gethostname()}.*")
+                         *self.tmp.glob(f"{hexpart}~*"),
+                         *(RAM_DIR.glob(f"imgpipe-{hexpart}~{socket.gethostname()}~*")
                            if RAM_DIR.is_dir() else [])]:
             # In a sticky shared folder only the owner may delete: another user's
             # leftover stays until its owner (or an admin) converts again.
@@ -186,6 +187,31 @@ class Storage:
                 removed += 1
         return removed
 
+    def sweep(self) -> int:
+        """Remove what crashed runs left, whatever digest: partial blobs, partial squashfs
+        files and work trees (also in /dev/shm) whose owner is gone (a dead pid on this
+        host; on another host, nothing written for a day).  Returns how many."""
+        now = time.time()
+        candidates = [*self.root.glob(f"{TMP_PREFIX}*"), *self.blobs.glob(f"{TMP_PREFIX}*"),
+                      *self.tmp.glob("*~*")]
+        if RAM_DIR.is_dir():
+            candidates += RAM_DIR.glob(f"imgpipe-*~{socket.gethostname()}~*")
+        removed = 0
+        for path in candidates:
+            try:
+                info = path.lstat()
+            except FileNotFoundError:
+                continue
+            if not orphaned(path.name, info.st_mtime, now):
+                continue
+            with contextlib.suppress(FileNotFoundError, PermissionError):
+                if stat.S_ISDIR(info.st_mode):
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+                removed += 1
+        return removed
+
     def work_dir(self, digest: str, needs_bytes: int = 0) -> Path:
         """A private work area for this process's conversion of ``digest``.
 
@@ -193,7 +219,7 @@ class Storage:
         an unpacked tree is thrown away after squashing, and on a busy disk its
         writeback dominated (bert's tree: 32 s on disk, 6 s in RAM).
         """
-        name = f"{digest_hex(digest)}.{socket.gethostname()}.{os.getpid()}"
+        name = f"{digest_hex(digest)}{owner_tag()}"
         parent = self.tmp
         if needs_bytes and RAM_DIR.is_dir():
             free = shutil.disk_usage(RAM_DIR).free

@@ -18,6 +18,7 @@ import click
 from imgpipe.pipeline.config import Settings, load_settings
 from imgpipe.pipeline.errors import ImgpipeError
 from imgpipe.pipeline.output import Invocation, Result, emit, emit_error
+from imgpipe.pipeline.process import Terminated, raise_on_sigterm
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -157,8 +158,11 @@ def main(argv: list[str] | None = None) -> int:
         exc.show()
         return exc.exit_code
     except (click.exceptions.Abort, KeyboardInterrupt):
-        print("interrupted", file=sys.stderr)
+        print("imgpipe: interrupted; temporary files removed", file=sys.stderr)
         return 130
+    except Terminated:
+        print("imgpipe: stopped by SIGTERM; temporary files removed", file=sys.stderr)
+        return 143
     except ImgpipeError as exc:
         if not inv.command:
             inv.command = " ".join(a for a in (argv if argv is not None else sys.argv[1:])
@@ -172,4 +176,5 @@ def main(argv: list[str] | None = None) -> int:
 
 def run() -> None:
     """Console-script entry point."""
+    raise_on_sigterm()
     sys.exit(main())

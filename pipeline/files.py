@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import secrets
 import socket
 from collections.abc import Iterator
@@ -19,12 +20,40 @@ from pathlib import Path
 TMP_PREFIX = ".tmp-"
 
 
+OWNER = re.compile(r"~(?P<host>[^~/]+)~(?P<pid>\d+)~(?P<start>\d+)(?:~[0-9a-f]+)?$")
+STALE_AFTER_S = 24 * 3600  # a leftover of another host untouched this long has no owner
+
+
+def _start_time(pid: int) -> int | None:
+    """A process's start time in clock ticks since boot (pids are reused; this is not)."""
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat_line.rsplit(")", 1)[1].split()[19])
+
+
+def owner_tag() -> str:
+    """``~host~pid~start``: who made a temporary, so any later run can tell it is orphaned."""
+    return f"~{socket.gethostname()}~{os.getpid()}~{_start_time(os.getpid()) or 0}"
+
+
+def orphaned(name: str, mtime: float, now: float) -> bool:
+    """True when the temporary ``name`` was made by a process that is gone: on this host a
+    dead pid (or a reused one), elsewhere nothing written for STALE_AFTER_S."""
+    match = OWNER.search(name)
+    if match is None:
+        return False  # not ours to judge
+    if match["host"] != socket.gethostname():
+        return now - mtime > STALE_AFTER_S
+    return _start_time(int(match["pid"])) != int(match["start"])
+
+
 def temporary_name(final: Path) -> Path:
     """A name beside ``final``, unique per host and process and not guessable: in a folder
     other users write (the shared squashfs cache), a name they could predict is a name they
-    could plant a link at."""
-    return final.with_name(f"{TMP_PREFIX}{final.name}.{socket.gethostname()}.{os.getpid()}."
-                           f"{secrets.token_hex(6)}")
+    could plant a link at.  It ends with its owner (``~host~pid~start~random``)."""
+    return final.with_name(f"{TMP_PREFIX}{final.name}{owner_tag()}~{secrets.token_hex(6)}")
 
 
 @contextlib.contextmanager

@@ -7,10 +7,12 @@ Argv is logged at debug level; the environment never is (it may hold secrets).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -47,6 +49,30 @@ PACKAGE_OF = {
 }
 
 DEFAULT_TIMEOUT_S = 300.0
+PR_SET_PDEATHSIG = 1
+
+
+class Terminated(BaseException):
+    """SIGTERM reached imgpipe: unwinds like Ctrl-C, so temporaries are removed and
+    children killed on the way out (a BaseException: no ``except Exception`` stops it)."""
+
+
+def raise_on_sigterm() -> None:
+    """Turn SIGTERM into :class:`Terminated` (the CLI installs this; tests do not)."""
+    def handler(signum: int, frame: object) -> None:
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def die_with_parent() -> None:
+    """In a child, before exec: SIGKILL it when imgpipe dies, even by kill -9 (Linux
+    PR_SET_PDEATHSIG), so no tar2sqfs, mksquashfs or docker push outlives its caller."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the explicit kill on exceptions still applies
 STDERR_TAIL_CHARS = 2000
 
 
@@ -106,6 +132,7 @@ def run(
             env=full_env,
             cwd=cwd,
             check=False,
+            preexec_fn=die_with_parent,
         )
     except subprocess.TimeoutExpired as exc:
         raise CommandError(
@@ -165,7 +192,7 @@ def stream(
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, errors="replace",
-                                env=full_env, cwd=cwd, bufsize=1)
+                                env=full_env, cwd=cwd, bufsize=1, preexec_fn=die_with_parent)
     except OSError as exc:
         raise CommandError(f"cannot run {argv[0]}: {exc.strerror}", argv=argv) from exc
     timer = threading.Timer(timeout, proc.kill)

@@ -255,3 +255,91 @@ def test_a_server_that_is_not_a_registry_is_named_as_such(tmp_path, capsys) -> N
     assert code == 1
     assert "from a server that is not a Docker registry (text/html" in err
     assert "is not in the registry" not in err
+
+
+@pytest.fixture(scope="module")
+def big_image(base_image, registry_server) -> str:
+    """The debootstrap base (one 220 MB layer): long enough to stop at each stage."""
+    target = f"{registry_server.address}/cache/base:1"
+    for argv in (["tag", base_image, target], ["push", target]):
+        subprocess.run([services.DOCKER, *argv], check=True, capture_output=True, timeout=600)
+    return target
+
+
+def _children_of(folder: Path) -> list[str]:
+    """Squash tools still running on files under ``folder``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and Path(argv[0].decode(errors="replace")).name in (
+                "tar2sqfs", "mksquashfs") and str(folder).encode() in b" ".join(argv):
+            found.append(b" ".join(argv).decode(errors="replace"))
+    return found
+
+
+def _leftovers(folder: Path) -> list[str]:
+    sqsh = folder / "sqsh"
+    found = [str(p) for p in [*sqsh.glob(".tmp-*"), *sqsh.glob(".imgpipe/blobs/sha256/.tmp-*"),
+                              *sqsh.glob(".imgpipe/tmp/*")]]
+    found += [str(p) for p in Path("/dev/shm").glob(f"imgpipe-*~{socket.gethostname()}~*")]
+    return found
+
+
+def _stop_at(folder: Path, ref: str, stage: str, sig: int) -> tuple[int, str]:
+    """`imgpipe convert` as a process, stopped by ``sig`` when it reports ``stage``."""
+    import signal
+    import sys
+    import time
+
+    imgpipe = Path(sys.executable).parent / "imgpipe"
+    proc = subprocess.Popen([str(imgpipe), "convert", ref, "--compression", "lz4"], cwd=folder,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if f" {stage} " in line:
+            if stage == "squash":
+                time.sleep(0.5)  # mksquashfs is running by now
+            proc.send_signal(sig)
+            break
+    rest = proc.stdout.read()
+    code = proc.wait(30)
+    assert signal.Signals(sig).name in ("SIGKILL", "SIGTERM")
+    return code, "".join(seen) + rest
+
+
+@pytest.mark.parametrize("stage", ["fetch", "merge", "squash"])
+def test_kill_9_leaves_nothing_the_next_run_keeps_and_no_child(big_image, tmp_path, capsys,
+                                                               registry_server,
+                                                               stage: str) -> None:
+    import signal
+    import time
+
+    cli = _cli(tmp_path, capsys, registry_server, f"killed-{stage}")
+    code, output = _stop_at(cli.folder, big_image, stage, signal.SIGKILL)
+    assert code == -signal.SIGKILL, output
+    time.sleep(1)
+    assert _children_of(cli.folder) == []  # they died with imgpipe
+    code, out, err = cli("convert", big_image, "--compression", "lz4")
+    assert code == 0, err
+    assert _leftovers(cli.folder) == []
+    assert len(list((cli.folder / "sqsh").glob("*.sqsh"))) == 1
+
+
+def test_sigterm_cleans_up_and_says_so(big_image, tmp_path, capsys, registry_server) -> None:
+    import signal
+
+    cli = _cli(tmp_path, capsys, registry_server, "terminated")
+    code, output = _stop_at(cli.folder, big_image, "squash", signal.SIGTERM)
+    assert code == 143, output
+    assert output.strip().splitlines()[-1] == (
+        "imgpipe: stopped by SIGTERM; temporary files removed")
+    assert "Traceback" not in output
+    assert _leftovers(cli.folder) == [] and _children_of(cli.folder) == []
+    assert not list((cli.folder / "sqsh").glob("*.sqsh"))
