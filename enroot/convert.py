@@ -10,6 +10,7 @@ only temporaries, which the next holder of the lock deletes.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import time
@@ -17,7 +18,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from imgpipe.enroot.errors import BlobDigestError, ConvertError, HostileLayerError
+from imgpipe.enroot.errors import (
+    BlobDigestError,
+    ConvertError,
+    HostileLayerError,
+    NoSpaceError,
+)
 from imgpipe.enroot.fetch import FetchedImage, fetch_blob_cached, fetch_image
 from imgpipe.enroot.flatten import LayerCounts, LayerSource, merge, write_stream, write_tree
 from imgpipe.enroot.rcfiles import rc_files
@@ -149,8 +155,18 @@ def _convert_locked(client, storage, ref, digest, final, options, say,
     def count(n: int) -> None:
         fetched_total[0] += n
 
+    needed = _space_needed(client, storage, ref.repository, digest)
+    free = shutil.disk_usage(storage.root).free
+    if free < needed:
+        raise NoSpaceError(storage.root, needed, free)
     say(f"fetch {ref.repository}@{digest[:19]}")
-    image = fetch_image(client, storage, ref.repository, digest, on_bytes=count)
+    try:
+        image = fetch_image(client, storage, ref.repository, digest, on_bytes=count)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise NoSpaceError(storage.root, needed,
+                               shutil.disk_usage(storage.root).free) from exc
+        raise
     layers = layer_sources(image)
     work: Path | None = None
     try:
@@ -161,8 +177,14 @@ def _convert_locked(client, storage, ref, digest, final, options, say,
                 if work is None:
                     tree_bytes = view.file_bytes if options.tool == "mksquashfs" else 0
                     work = storage.work_dir(digest, tree_bytes)
-                return _squash_and_publish(ref, digest, final, options, say, started, image,
-                                           layers, view, work)
+                try:
+                    return _squash_and_publish(ref, digest, final, options, say, started,
+                                               image, layers, view, work)
+                except (OSError, ConvertError) as exc:
+                    if _out_of_space(exc):
+                        raise NoSpaceError(storage.root, needed,
+                                           shutil.disk_usage(storage.root).free) from exc
+                    raise
             except (BlobDigestError, HostileLayerError) as exc:
                 spoiled = _spoiled_blobs(layers, exc)
                 if attempt == 2 or not spoiled:
@@ -175,6 +197,22 @@ def _convert_locked(client, storage, ref, digest, final, options, say,
     finally:
         if work is not None:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _space_needed(client, storage, repository: str, digest: str) -> int:
+    """Bytes a conversion will write into the folder: the blobs not cached yet, and the
+    squashfs, estimated at the compressed size of all layers (zstd's is smaller; lz4's and
+    uncompressed ones larger: this is a floor that catches the hopeless cases early)."""
+    manifest = client.manifest(repository, digest)
+    sizes = [(layer["digest"], int(layer.get("size", 0))) for layer in manifest.layers]
+    missing = sum(size for blob, size in sizes if not storage.blob(blob).exists())
+    return missing + sum(size for _, size in sizes)
+
+
+def _out_of_space(exc: BaseException) -> bool:
+    if isinstance(exc, OSError):
+        return exc.errno == errno.ENOSPC
+    return "No space left on device" in str(exc) or "No space left" in str(exc)
 
 
 def _spoiled_blobs(layers: list[LayerSource], exc: Exception) -> set[str]:

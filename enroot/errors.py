@@ -41,3 +41,20 @@ class BlobDigestError(ConvertError):
                          f"to {found[:19]})", hint=f"remove {path} and convert again")
         self.digest = digest
         self.path = path
+
+
+class NoSpaceError(ConvertError):
+    """The squashfs folder (or the work area) cannot hold the conversion."""
+
+    code = "no-space"
+
+    def __init__(self, folder: Path, needed: int, free: int) -> None:
+        super().__init__(f"not enough space in {folder}: the conversion needs about "
+                         f"{_mib(needed)}, {_mib(free)} free",
+                         hint="free space there, or set outputs.squashfs_dir to a larger "
+                         "file system; see imgpipe cache prune")
+        self.folder, self.needed, self.free = folder, needed, free
+
+
+def _mib(count: int) -> str:
+    return f"{count / (1 << 20):.1f} MiB"

@@ -17,6 +17,7 @@ fine), and a file the node's tools cannot read is worse than a slower one.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import shutil
@@ -99,7 +100,9 @@ def _run_fed(argv: list[str], feed: Callable[[IO[bytes]], object], what: str,
         raise ConvertError(f"{what} did not finish within {SQUASH_TIMEOUT_S} s") from exc
     reader.join(5)
     if code != 0:
-        detail = last_line(b"".join(stderr_lines).decode(errors="replace"))
+        text = b"".join(stderr_lines).decode(errors="replace")
+        detail = last_line(text)
+        _raise_if_full(argv[-1], text)
         raise ConvertError(f"{what} failed (exit {code}): {detail}")
 
 
@@ -120,7 +123,24 @@ def squash_tree(fill: Callable[[Path], object], output: Path, options: SquashOpt
                                 text=True, stdin=subprocess.DEVNULL, timeout=SQUASH_TIMEOUT_S,
                                 check=False, preexec_fn=die_with_parent)
         if result.returncode != 0:
-            raise ConvertError(f"mksquashfs failed (exit {result.returncode}): "
-                               f"{last_line(result.stderr or result.stdout)}")
+            detail = last_line(result.stderr or result.stdout)
+            _raise_if_full(str(output), f"{result.stderr}\n{result.stdout}")
+            raise ConvertError(f"mksquashfs failed (exit {result.returncode}): {detail}")
     finally:
         shutil.rmtree(tree, ignore_errors=True)
+
+
+FULL_BELOW = 4 << 20  # free bytes under which a failed write means a full file system
+
+
+def _raise_if_full(output: str, stderr: str) -> None:
+    """A squash tool that ran out of disk says so on some line before its last one (and
+    mksquashfs removes its output): turn that into ENOSPC, which the caller reports with
+    the folder and the numbers.  A file system left with almost nothing free counts too."""
+    folder = Path(output).parent
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return
+    if "No space left on device" in stderr or free < FULL_BELOW:
+        raise OSError(errno.ENOSPC, f"no space left in {folder}", str(folder))

@@ -343,3 +343,40 @@ def test_sigterm_cleans_up_and_says_so(big_image, tmp_path, capsys, registry_ser
     assert "Traceback" not in output
     assert _leftovers(cli.folder) == [] and _children_of(cli.folder) == []
     assert not list((cli.folder / "sqsh").glob("*.sqsh"))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A file system of its own for the squashfs folder, sized by the test."""
+    mounted: list[Path] = []
+
+    def make(megabytes: int) -> Path:
+        folder = tmp_path / f"disk{megabytes}"
+        folder.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={megabytes}M", "tmpfs",
+                        str(folder)], check=True)
+        mounted.append(folder)
+        return folder
+
+    yield make
+    for folder in mounted:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+@pytest.mark.parametrize("megabytes", [8, 200], ids=["before-fetch", "while-squashing"])
+def test_a_full_disk_is_one_line_with_nothing_left(big_image, tmp_path, capsys,
+                                                   registry_server, small_disk,
+                                                   megabytes: int) -> None:
+    disk = small_disk(megabytes)
+    cli = CliRun(tmp_path, capsys)
+    cli.write_config({"registry": {"port": registry_server.port},
+                      "outputs": {"squashfs_dir": str(disk / "sqsh")}})
+    code, _, err = cli("convert", big_image, "--compression", "none")
+    assert code == 1, err
+    assert err.count("error:") == 1, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"error: not enough space in {disk / 'sqsh'}: the conversion needs "
+                           "about "), line
+    assert " MiB free" in line and "Traceback" not in err
+    assert not list((disk / "sqsh").glob("*.sqsh")) and not list((disk / "sqsh").glob(".tmp-*"))
+    assert not list((disk / "sqsh").glob(".imgpipe/blobs/sha256/.tmp-*"))
