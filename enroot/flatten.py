@@ -19,10 +19,10 @@ entry named (compare charliecloud's ``validate_members``):
   archive and stops silently: here the end is checked explicitly, with the offset);
 * whiteouts of names that are not plain names (``.wh..``, ``.wh..wh.x``).
 
-Every byte is verified on use, while it is read anyway: the compressed blob
-against its digest in both passes (a cached blob may have changed since it was
-fetched, even between the passes), and the uncompressed stream against the
-config's ``diff_id`` in pass 2, which is what gets published.
+Every byte is verified on use, while it is read anyway: in pass 2, which is what
+gets published, the compressed blob against its digest and the uncompressed stream
+against the config's ``diff_id`` (a cached blob may have changed since it was
+fetched, even between the passes: what was streamed is what is checked).
 
 Pass 2 (``write_stream``) reads the layers again and writes only the entries
 that survived, with Enroot's permission fix (owner reads everything, owns
@@ -111,15 +111,17 @@ class LayerSource:
 class _HashingFile(io.RawIOBase):
     """The compressed blob as read by a decompressor, hashed and counted on the way."""
 
-    def __init__(self, handle: BinaryIO) -> None:
-        self.handle, self.sha256, self.count = handle, hashlib.sha256(), 0
+    def __init__(self, handle: BinaryIO, hashing: bool = True) -> None:
+        self.handle, self.count = handle, 0
+        self.sha256 = hashlib.sha256() if hashing else None
 
     def readable(self) -> bool:
         return True
 
     def read(self, size: int = -1) -> bytes:
         data = self.handle.read(size)
-        self.sha256.update(data)
+        if self.sha256 is not None:
+            self.sha256.update(data)
         self.count += len(data)
         return data
 
@@ -145,7 +147,8 @@ class ForwardReader(io.RawIOBase):
     def __init__(self, raw: BinaryIO, closer: BinaryIO, compressed: _HashingFile) -> None:
         self.raw, self.closer, self.position = raw, closer, 0
         self.compressed = compressed
-        self.sha256 = hashlib.sha256()  # of the uncompressed stream: the diff_id
+        # Of the uncompressed stream (the diff_id), when the layer is read to be published.
+        self.sha256 = hashlib.sha256() if compressed.sha256 is not None else None
         self.last_start, self.last = 0, b""  # the latest read, for the end-of-archive check
 
     def readable(self) -> bool:
@@ -159,7 +162,8 @@ class ForwardReader(io.RawIOBase):
 
     def read(self, size: int = -1) -> bytes:
         data = self.raw.read(size)
-        self.sha256.update(data)
+        if self.sha256 is not None:
+            self.sha256.update(data)
         self.last_start, self.last = self.position, data
         self.position += len(data)
         return data
@@ -172,13 +176,15 @@ class ForwardReader(io.RawIOBase):
             chunk = self.raw.read(min(self.STEP, target - self.position))
             if not chunk:
                 break  # past the end: the next read finds nothing, as tarfile expects
-            self.sha256.update(chunk)
+            if self.sha256 is not None:
+                self.sha256.update(chunk)
             self.position += len(chunk)
         return self.position
 
-    def verify(self, layer: LayerSource, *, diff_id: bool) -> None:
+    def verify(self, layer: LayerSource) -> None:
         """Read both streams to their ends (the decompressor checks its trailer) and compare
-        the blob with its digest, and the tar with the config's diff_id when asked."""
+        the blob with its digest and the tar with the config's diff_id."""
+        assert self.sha256 is not None and self.compressed.sha256 is not None
         try:
             while self.read(self.STEP):
                 pass
@@ -190,7 +196,7 @@ class ForwardReader(io.RawIOBase):
         if found != layer.digest:
             raise BlobDigestError(layer.digest, found, layer.path)
         tar_digest = f"sha256:{self.sha256.hexdigest()}"
-        if diff_id and layer.diff_id is not None and tar_digest != layer.diff_id:
+        if layer.diff_id is not None and tar_digest != layer.diff_id:
             raise HostileLayerError(layer.digest, "(content)",
                                     f"its uncompressed content hashes to {tar_digest[:19]}, "
                                     f"not to the image config's diff_id {layer.diff_id[:19]}")
@@ -201,12 +207,13 @@ class ForwardReader(io.RawIOBase):
         super().close()
 
 
-def open_layer(path: Path) -> ForwardReader:
-    """The uncompressed tar stream of a layer blob (gzip, zstd or plain, by magic)."""
+def open_layer(path: Path, verify: bool = True) -> ForwardReader:
+    """The uncompressed tar stream of a layer blob (gzip, zstd or plain, by magic), hashed
+    on the way for :meth:`ForwardReader.verify` unless ``verify`` is False."""
     handle = open(path, "rb")
     magic = handle.read(4)
     handle.seek(0)
-    compressed = _HashingFile(handle)
+    compressed = _HashingFile(handle, hashing=verify)
     if magic[:2] == b"\x1f\x8b":
         raw: BinaryIO = igzip.IGzipFile(fileobj=compressed, mode="rb")  # type: ignore[assignment]
     elif magic == b"\x28\xb5\x2f\xfd":
@@ -244,7 +251,9 @@ def _check_end(raw: ForwardReader, end: int, layer: LayerSource) -> None:
 def read_members(layer: LayerSource) -> list[tarfile.TarInfo]:
     """Every member header of a layer, in order (data skipped by seeking forward)."""
     try:
-        raw = open_layer(layer.path)
+        # Pass 1 checks structure only: pass 2 verifies every byte it publishes, and a blob
+        # spoiled in the cache fails here on its structure or there on its digest.
+        raw = open_layer(layer.path, verify=False)
     except OSError as exc:
         raise HostileLayerError(layer.digest, "(blob)", f"cannot read: {exc}") from exc
     with raw:
@@ -267,7 +276,6 @@ def read_members(layer: LayerSource) -> list[tarfile.TarInfo]:
         except STREAM_ERRORS as exc:
             raise HostileLayerError(layer.digest, "(stream)", "truncated or corrupt layer "
                                     f"at byte {raw.position}: {exc}") from exc
-        raw.verify(layer, diff_id=False)
         return members
 
 
@@ -490,7 +498,7 @@ def flattened(view: MergedView, layers: list[LayerSource]) -> Iterator[Item]:
                 yield from _layer_items(view, number, layer, source, winners, by_entry,
                                         data_owner, orphans, kept)
                 # What was streamed is what the digests promise, or nothing is published.
-                source.verify(layer, diff_id=True)
+                source.verify(layer)
     finally:
         for spool in kept.values():
             spool.close()

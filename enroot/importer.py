@@ -46,15 +46,34 @@ def get(uri: str) -> Path:
         registry_client(settings), storage(settings), ref,
         SquashOptions(enroot.compression, enroot.zstd_level, enroot.processors),
         say=lambda text: print(f"imgpipe: {text}", file=sys.stderr, flush=True))
+    from imgpipe.enroot.usage import parse_size, prune, record_use
+
+    marker = record_use(storage(settings), conversion.path,
+                        os.environ.get("SLURM_JOB_ID", "nojob"),
+                        os.environ.get("SLURM_STEP_ID", "nostep"))
     # A name others can predict in a shared /tmp: never through a link, private to the user.
     fd = os.open(_step_record(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as record:
-        record.write(f"{conversion.path}\n")
+        record.write(f"{conversion.path}\n{marker}\n")
+    if conversion.converted and enroot.cache_max_size:
+        prune(storage(settings), max_size=parse_size(enroot.cache_max_size))
     return conversion.path
 
 
 def release() -> None:
-    _step_record().unlink(missing_ok=True)
+    """End this step's use of the entry it got; the shared file itself always stays."""
+    from imgpipe.enroot.usage import release_use
+
+    record = _step_record()
+    try:
+        fd = os.open(record, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return  # released already (Pyxis calls release twice), or nothing was got
+    with os.fdopen(fd) as handle:
+        lines = handle.read().splitlines()
+    if len(lines) > 1 and "/.imgpipe/uses/" in lines[1]:
+        release_use(Path(lines[1]))
+    record.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -133,6 +133,7 @@ def base_image(ctx: click.Context, tag: str, suite: str, mirror: str, rebuild: b
 
 def _register_subcommands() -> None:
     from imgpipe.pipeline import cli_build, cli_convert
+    from imgpipe.pipeline.cli_cache import cache
     from imgpipe.pipeline.cli_nccl import nccl
     from imgpipe.pipeline.cli_recipes import recipes
     from imgpipe.pipeline.cli_registry import registry
@@ -140,6 +141,7 @@ def _register_subcommands() -> None:
     cli.add_command(registry)
     cli.add_command(recipes)
     cli.add_command(nccl)
+    cli.add_command(cache)
     for command in [*cli_build.COMMANDS, *cli_convert.COMMANDS]:
         cli.add_command(command)
 

@@ -47,6 +47,13 @@ def convert_and_record(settings: Settings, target: str, flavor: str, compression
         options = squash_options(settings, None, compression)
     conversion = convert(registry_client(settings), storage(settings), ref, options,
                          say=progress.step, with_enroot=with_enroot)
+    if conversion.converted and settings.enroot.cache_max_size:
+        from imgpipe.enroot.usage import parse_size, prune
+
+        pruned = prune(storage(settings), max_size=parse_size(settings.enroot.cache_max_size))
+        if pruned.removed:
+            progress.step(f"pruned {len(pruned.removed)} cache entries "
+                          f"({pruned.freed} bytes) to stay under enroot.cache_max_size")
     if image is not None:
         checksum = "sha256:" + file_sha256(conversion.path)
         with updating_lock(lock_file) as lock:

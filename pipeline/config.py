@@ -116,6 +116,17 @@ class EnrootConfig(_Strict):
     zstd_level: int = Field(default=3, ge=1, le=22)
     processors: int = Field(default=0, ge=0, description="0: every core")
     max_connections: int = Field(default=4, ge=1, le=64)
+    cache_max_size: str | None = Field(default=None, description="prune the shared cache "
+                                       "to this size (e.g. 500G) after each conversion")
+
+    @field_validator("cache_max_size")
+    @classmethod
+    def _size(cls, value: str | None) -> str | None:
+        if value is not None:
+            from imgpipe.enroot.usage import parse_size
+
+            parse_size(value)
+        return value
 
 
 class RecipesConfig(_Strict):

@@ -380,3 +380,69 @@ def test_a_full_disk_is_one_line_with_nothing_left(big_image, tmp_path, capsys,
     assert " MiB free" in line and "Traceback" not in err
     assert not list((disk / "sqsh").glob("*.sqsh")) and not list((disk / "sqsh").glob(".tmp-*"))
     assert not list((disk / "sqsh").glob(".imgpipe/blobs/sha256/.tmp-*"))
+
+
+def test_prune_keeps_what_a_job_uses_and_what_is_locked(image, tmp_path, capsys,
+                                                        registry_server, monkeypatch) -> None:
+    import sys
+
+    from imgpipe.enroot import importer
+
+    services.push_image(services.plain_session(), registry_server.url, "cache/other", "1",
+                        [OTHER])
+    cli = _cli(tmp_path, capsys, registry_server, "prune")
+    monkeypatch.setenv("IMGPIPE_CONFIG", str(cli.folder / "imgpipe.yaml"))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    assert importer.main(["get", f"docker://{image.replace('/', '#', 1)}"]) == 0
+    held = Path(capsys.readouterr().out.strip())
+    code, _, err = cli("convert", f"{registry_server.address}/cache/other:1")
+    assert code == 0, err
+    code, out, _ = cli("cache", "ls", "--json")
+    listed = {Path(e["path"]).name: e for e in json.loads(out)["data"]["entries"]}
+    assert listed[held.name]["users"] == [f"{socket.gethostname()}~{os.getuid()}~7~0"]
+    assert len([e for e in listed.values() if e["kind"] == "squashfs"]) == 2
+
+    code, out, err = cli("cache", "prune", "--max-size", "0", "--json")
+    assert code == 0, err
+    data = json.loads(out)["data"]
+    assert data["kept_in_use"] == [str(held)]
+    assert held.exists() and len(list((cli.folder / "sqsh").glob("*.sqsh"))) == 1
+    assert not list((cli.folder / "sqsh/.imgpipe/blobs/sha256").iterdir())
+
+    for _ in range(2):  # Pyxis calls release twice
+        assert importer.main(["release"]) == 0
+    digest = "sha256:" + held.name.split("+sha256-")[1].split("+")[0]
+    holder = subprocess.Popen(  # a conversion of it running in another process
+        [sys.executable, "-c", "import sys, time\n"
+         "from pathlib import Path\n"
+         "from imgpipe.enroot.storage import Storage\n"
+         "with Storage(Path(sys.argv[1])).lock(sys.argv[2]):\n"
+         "    print('held', flush=True); time.sleep(60)\n",
+         str(cli.folder / "sqsh"), digest], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        code, out, _ = cli("cache", "prune", "--max-size", "0", "--json")
+        assert json.loads(out)["data"]["kept_in_use"] == [str(held)] and held.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    code, out, _ = cli("cache", "prune", "--max-size", "0", "--json")
+    assert json.loads(out)["data"]["removed"] == [str(held)] and not held.exists()
+
+
+def test_prune_by_age_and_bad_input(image, tmp_path, capsys, registry_server) -> None:
+    cli = _cli(tmp_path, capsys, registry_server, "age")
+    published, _ = _convert(cli, image)
+    code, out, _ = cli("cache", "prune", "--unused-for", "1", "--json")
+    assert code == 0 and json.loads(out)["data"]["removed"] == []  # used just now
+    old = 1_000_000_000
+    for path in [published, *(cli.folder / "sqsh").rglob("*")]:
+        os.utime(path, (old, old), follow_symlinks=False)
+    code, out, _ = cli("cache", "prune", "--unused-for", "1", "--dry-run", "--json")
+    assert str(published) in json.loads(out)["data"]["removed"] and published.exists()
+    code, _, err = cli("cache", "prune", "--max-size", "lots")
+    assert code == 2 and "is not a size such as 500G" in err
+    code, _, err = cli("cache", "prune")
+    assert code == 2 and "--max-size SIZE or --unused-for DAYS" in err

@@ -1,0 +1,183 @@
+"""Who uses which cache entry, and pruning the cache by size or age, least recently used first.
+
+The Pyxis importer records each use: ``get`` makes a marker
+``.imgpipe/uses/<squashfs name>/<host>~<uid>~<job>~<step>`` (created exclusively,
+never through a link) and ``release`` removes this step's own markers.  The folder's
+modification time is the entry's last use (a conversion counts as one).  ``prune``
+never removes a squashfs that has markers (a running job may have it mounted) or whose
+digest lock is held (a conversion or a verification is running); blobs go first, since
+they can be fetched again, then squashfs files, oldest last use first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import socket
+import stat
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from imgpipe.enroot.errors import ConvertError
+from imgpipe.enroot.storage import Storage, digest_hex
+
+SQSH_DIGEST = re.compile(r"\+sha256-(?P<hex>[0-9a-f]{64})\+")
+SIZE = re.compile(r"^(?P<n>\d+(?:\.\d+)?)\s*(?P<unit>[KMGT]?)i?B?$", re.IGNORECASE)
+
+
+@dataclass
+class Entry:
+    kind: str  # squashfs | blob
+    path: Path
+    size: int
+    last_use: float
+    users: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Pruned:
+    removed: list[Entry]
+    kept_in_use: list[Entry]
+    freed: int
+    total_after: int
+
+
+def parse_size(text: str) -> int:
+    """``500G``, ``1.5T``, ``800MiB``, ``0`` -> bytes (powers of 1024)."""
+    match = SIZE.match(text.strip())
+    if not match:
+        raise ValueError(f"{text!r} is not a size such as 500G or 800M")
+    factor = 1024 ** " KMGT".index((match["unit"] or " ").upper())
+    return int(float(match["n"]) * factor)
+
+
+def _uses_dir(storage: Storage, squashfs: Path) -> Path:
+    return storage.meta / "uses" / squashfs.name
+
+
+def record_use(storage: Storage, squashfs: Path, job: str, step: str) -> Path:
+    """Mark ``squashfs`` as in use by this step; returns the marker."""
+    folder = _uses_dir(storage, squashfs)
+    mode = stat.S_IMODE(storage.root.stat().st_mode) & 0o3777
+    for parent in (folder.parent, folder):
+        try:
+            parent.mkdir()
+            os.chmod(parent, mode)
+        except FileExistsError:
+            pass
+    marker = folder / f"{socket.gethostname()}~{os.getuid()}~{job}~{step}"
+    try:
+        os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
+    except FileExistsError:
+        with contextlib.suppress(PermissionError):
+            os.utime(marker, follow_symlinks=False)  # used again: the use is now
+    return marker
+
+
+def release_use(marker: Path) -> None:
+    """End one recorded use (idempotent: Pyxis calls release more than once)."""
+    marker.unlink(missing_ok=True)
+
+
+def entries(storage: Storage) -> list[Entry]:
+    """Every squashfs file and blob of the cache, with size, last use and users."""
+    found = []
+    for path in sorted(storage.root.glob("*.sqsh")):
+        info = path.lstat()
+        if not stat.S_ISREG(info.st_mode):
+            continue
+        uses = _uses_dir(storage, path)
+        last = info.st_mtime
+        users: list[str] = []
+        if uses.is_dir():
+            last = max(last, uses.stat().st_mtime)
+            for marker in sorted(uses.iterdir()):
+                last = max(last, marker.lstat().st_mtime)
+                users.append(marker.name)
+        found.append(Entry("squashfs", path, info.st_size, last, users))
+    if storage.blobs.is_dir():
+        for path in sorted(storage.blobs.iterdir()):
+            if path.name.startswith("."):
+                continue
+            info = path.lstat()
+            if stat.S_ISREG(info.st_mode):
+                found.append(Entry("blob", path, info.st_size, info.st_mtime))
+    return found
+
+
+@contextlib.contextmanager
+def _locked_now(storage: Storage, squashfs: Path):  # type: ignore[no-untyped-def]
+    """The digest's lock if it is free at once, else None (never waits)."""
+    match = SQSH_DIGEST.search(squashfs.name)
+    if match is None:
+        yield True
+        return
+    path = storage.locks / f"{digest_hex('sha256:' + match['hex'])}.lock"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        yield True
+        return
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        fcntl.lockf(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def prune(storage: Storage, max_size: int | None = None, unused_for_s: float | None = None,
+          dry_run: bool = False) -> Pruned:
+    """Remove entries until the cache holds at most ``max_size`` bytes, or every entry
+    unused for ``unused_for_s``; blobs before squashfs files, least recently used first."""
+    if max_size is None and unused_for_s is None:
+        raise ConvertError("say how much to prune", hint="--max-size SIZE or --unused-for DAYS")
+    listed = entries(storage)
+    total = sum(e.size for e in listed)
+    now = time.time()
+    order = sorted(listed, key=lambda e: (e.kind != "blob", e.last_use))
+    removed: list[Entry] = []
+    kept: list[Entry] = []
+    for entry in order:
+        too_big = max_size is not None and total > max_size
+        too_old = unused_for_s is not None and now - entry.last_use > unused_for_s
+        if not (too_big or too_old):
+            continue
+        if entry.users:
+            kept.append(entry)
+            continue
+        if entry.kind == "squashfs":
+            with _locked_now(storage, entry.path) as free:
+                if not free or _uses_dir(storage, entry.path).is_dir() and any(
+                        _uses_dir(storage, entry.path).iterdir()):
+                    kept.append(entry)
+                    continue
+                if not _remove(entry, dry_run):
+                    continue
+        elif not _remove(entry, dry_run):
+            continue
+        removed.append(entry)
+        total -= entry.size
+    return Pruned(removed, kept, sum(e.size for e in removed), total)
+
+
+def _remove(entry: Entry, dry_run: bool) -> bool:
+    if dry_run:
+        return True
+    try:
+        entry.path.unlink()
+    except FileNotFoundError:
+        return False
+    except PermissionError as exc:
+        raise ConvertError(f"cannot remove {entry.path}: it belongs to uid "
+                           f"{entry.path.lstat().st_uid}",
+                           hint="prune as that user or as root") from exc
+    return True
