@@ -10,11 +10,19 @@ Hierarchy::
     ├── ConfigError                 exit 2: imgpipe.yaml / image.yaml / CLI values
     ├── CommandError                an external program failed (argv, exit code, stderr)
     │   └── ToolMissingError        the program is not installed (hint names the package)
-    └── RegistryError               imgpipe.registry.errors: method, URL, status, error code
-        ├── AuthError               credentials missing or refused
-        ├── DigestMismatchError     bytes did not hash to the digest asked for
-        ├── ReferenceFormatError    a malformed image reference (exit 2)
-        └── LocalRegistryError      the head-node registry's lifecycle (up/down/gc)
+    ├── RegistryError               imgpipe.registry.errors: method, URL, status, error code
+    │   ├── AuthError               credentials missing or refused
+    │   ├── DigestMismatchError     bytes did not hash to the digest asked for
+    │   ├── ReferenceFormatError    a malformed image reference (exit 2)
+    │   └── LocalRegistryError      the head-node registry's lifecycle (up/down/gc)
+    ├── ConvertError                imgpipe.enroot.errors: a conversion or the cache
+    │   ├── HostileLayerError       a layer entry or stream that cannot be trusted
+    │   ├── BlobDigestError         a cached blob changed since it was fetched
+    │   └── NoSpaceError            the squashfs folder is full (folder, needed, free)
+    └── RecipeError                 imgpipe.recipes.errors: rendering, publishing, pulling
+        ├── ShapeError              a shape that cannot keep the global batch (exit 2)
+        ├── ProfileError            an unknown or invalid profile (exit 2)
+        └── SandboxError            imgpipe.recipes.sandbox: the local cluster
 
 Subsystem errors live beside their subsystem (drawn here so the whole tree is
 in one place); import them from where they are defined.

@@ -59,3 +59,38 @@ def test_subsystem_names_do_not_leak_as_top_level_imports() -> None:
         spec_paths = [p for p in sys.path if p and p.endswith(("site-packages",))]
         for path in spec_paths:
             assert not (__import__("pathlib").Path(path) / leaked).exists(), (path, leaked)
+
+
+def test_the_error_tree_drawn_in_the_docstring_is_the_real_one() -> None:
+    """Every ImgpipeError subclass appears in pipeline/errors.py's drawing, under its
+    real parent: the one place a reader learns the tree must not drift from the code."""
+    import re
+
+    import imgpipe.enroot.errors  # noqa: F401 (define the subclasses)
+    import imgpipe.recipes.errors  # noqa: F401
+    import imgpipe.recipes.sandbox  # noqa: F401
+    import imgpipe.registry.errors  # noqa: F401
+    from imgpipe.pipeline import errors
+    from imgpipe.pipeline.errors import ImgpipeError
+
+    drawn: dict[str, str] = {}
+    stack: list[tuple[int, str]] = []
+    for line in (errors.__doc__ or "").splitlines():
+        match = re.match(r"^(\s*(?:[│ ]   )*)(?:[├└]── )?(\w+Error)\b", line)
+        if not match:
+            continue
+        depth = len(match.group(1)) // 4 + (1 if "──" in line else 0)
+        while stack and stack[-1][0] >= depth:
+            stack.pop()
+        drawn[match.group(2)] = stack[-1][1] if stack else ""
+        stack.append((depth, match.group(2)))
+
+    def subclasses(cls: type) -> list[type]:
+        found = []
+        for sub in cls.__subclasses__():
+            found += [sub, *subclasses(sub)]
+        return found
+
+    real = {cls.__name__: cls.__bases__[0].__name__ for cls in subclasses(ImgpipeError)
+            if cls.__module__.startswith("imgpipe.")}
+    assert {name: drawn.get(name) for name in real} == real
