@@ -62,25 +62,34 @@ def atomic_path(final: str | os.PathLike[str], mode: int | None = None,
     """Yield a temporary path; on success rename it onto ``final``, else remove it.
 
     The temporary file is created here, exclusively and never through a link
-    (``O_EXCL | O_NOFOLLOW``, mode 0600), so writers open a file this process made.
-    ``create=False`` leaves the name free for a program that refuses existing outputs.
+    (``O_EXCL | O_NOFOLLOW``, mode 0600), and created, renamed and removed relative to a
+    descriptor of the folder opened without following a link, so a folder swapped for a
+    link afterwards cannot redirect any of it.  ``create=False`` leaves the name free for a
+    program that refuses existing outputs.
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_name(final)
-    if create:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
-        os.close(fd)
+    folder = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        yield tmp
-        if mode is not None:
-            os.chmod(tmp, mode)
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        raise
+        if create:
+            os.close(os.open(tmp.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, 0o600, dir_fd=folder))
+        try:
+            yield tmp
+            if mode is not None:
+                fd = os.open(tmp.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder)
+                try:
+                    os.fchmod(fd, mode)
+                finally:
+                    os.close(fd)
+            os.replace(tmp.name, final.name, src_dir_fd=folder, dst_dir_fd=folder)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp.name, dir_fd=folder)
+            raise
+    finally:
+        os.close(folder)
 
 
 def file_sha256(path: str | os.PathLike[str]) -> str:
