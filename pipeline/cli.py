@@ -7,10 +7,13 @@ is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
+import shutil
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
@@ -165,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     except Terminated:
         print("imgpipe: stopped by SIGTERM; temporary files removed", file=sys.stderr)
         return 143
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise  # anything else is a bug: keep its traceback
+        emit_error(inv, "no-space", _no_space(exc), "free space there, or point imgpipe.yaml "
+                   "at a larger file system")
+        return 1
     except ImgpipeError as exc:
         if not inv.command:
             inv.command = " ".join(a for a in (argv if argv is not None else sys.argv[1:])
@@ -174,6 +183,16 @@ def main(argv: list[str] | None = None) -> int:
             logging.getLogger("imgpipe").debug("error detail", exc_info=exc)
         return exc.exit_code
     return rv if isinstance(rv, int) else 0
+
+
+def _no_space(exc: OSError) -> str:
+    """The folder that filled up, and what it has left (atomic writes left nothing)."""
+    where = Path(exc.filename).parent if exc.filename else Path.cwd()
+    try:
+        free = f"{shutil.disk_usage(where).free / (1 << 20):.1f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    return f"no space left in {where} ({free})"
 
 
 def run() -> None:

@@ -9,6 +9,7 @@ leaves only ``.tmp-`` files that are safe to delete.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import re
@@ -84,9 +85,12 @@ def atomic_path(final: str | os.PathLike[str], mode: int | None = None,
                 finally:
                     os.close(fd)
             os.replace(tmp.name, final.name, src_dir_fd=folder, dst_dir_fd=folder)
-        except BaseException:
+        except BaseException as exc:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp.name, dir_fd=folder)
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC and not exc.filename:
+                # A failed write names no file: say which one could not be published.
+                raise OSError(errno.ENOSPC, exc.strerror, str(final)) from exc
             raise
     finally:
         os.close(folder)

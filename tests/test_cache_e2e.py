@@ -13,6 +13,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import socket
 import subprocess
 import tarfile
@@ -446,3 +447,18 @@ def test_prune_by_age_and_bad_input(image, tmp_path, capsys, registry_server) ->
     assert code == 2 and "is not a size such as 500G" in err
     code, _, err = cli("cache", "prune")
     assert code == 2 and "--max-size SIZE or --unused-for DAYS" in err
+
+
+def test_any_command_on_a_full_disk_is_one_line(tmp_path, capsys, small_disk) -> None:
+    """Not only convert: a full disk under any command's output is one line, no traceback,
+    nothing half-written (here: rendering recipes where 8 KiB are left)."""
+    disk = small_disk(1)
+    with open(disk / "filler", "wb") as handle:  # fill it up to its last 8 KiB
+        handle.write(b"\0" * (shutil.disk_usage(disk).free - 8192))
+    cli = CliRun(tmp_path, capsys)
+    code, _, err = cli("recipes", "render", "--profile", "dgx1", "--nodes", "1", "--image",
+                       "head:5000/imgpipe/bert@sha256:" + "ab" * 32, "-o", str(disk / "out"))
+    assert code == 1, err
+    assert err.strip().splitlines()[-1].startswith(f"error: no space left in {disk / 'out'} (")
+    assert "Traceback" not in err
+    assert not [p for p in (disk / "out").iterdir() if p.name.startswith(".tmp-")]
