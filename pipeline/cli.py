@@ -8,55 +8,19 @@ is a bug and keeps its traceback.
 from __future__ import annotations
 
 import errno
-import functools
 import logging
 import shutil
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import click
 
-from imgpipe.pipeline.config import Settings, load_settings
+from imgpipe.pipeline.clikit import CONTEXT, invocation, reporting, settings_of
 from imgpipe.pipeline.errors import ImgpipeError
-from imgpipe.pipeline.output import Invocation, Result, emit, emit_error
+from imgpipe.pipeline.output import Invocation, Result, emit_error
 from imgpipe.pipeline.process import Terminated, raise_on_sigterm
 
-CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
-
-
-def invocation(ctx: click.Context) -> Invocation:
-    return ctx.ensure_object(Invocation)
-
-
-def settings_of(ctx: click.Context) -> Settings:
-    """Settings for this run, loaded on first use (so --help works with a broken config)."""
-    inv = invocation(ctx)
-    cached = ctx.meta.get("imgpipe.settings")
-    if cached is None:
-        cached = load_settings(inv.config)
-        ctx.meta["imgpipe.settings"] = cached
-    return cached
-
-
-def reporting(fn: Callable[..., Result]) -> Callable[..., int]:
-    """Give a command --json and render the Result it returns; exit 1 when not ok."""
-
-    @click.option("--json", "as_json", is_flag=True,
-                  help="Print one JSON envelope (version, status, data, errors) on stdout.")
-    @click.pass_context
-    @functools.wraps(fn)
-    def wrapper(ctx: click.Context, as_json: bool, **kwargs: Any) -> int:
-        inv = invocation(ctx)
-        inv.json = inv.json or as_json
-        inv.command = ctx.command_path.partition(" ")[2]
-        result = fn(ctx, **kwargs)
-        emit(inv, result)
-        return 0 if result.ok else 1
-
-    return wrapper
-
+__all__ = ["CONTEXT", "cli", "invocation", "main", "reporting", "run", "settings_of"]
 
 @click.group(context_settings=CONTEXT)
 @click.option("--config", "config_path", metavar="FILE", envvar="IMGPIPE_CONFIG",

@@ -10,7 +10,7 @@ import click
 
 from imgpipe.pipeline.builds import BaseResolver, build_item, make_plan, read_records, skipped
 from imgpipe.pipeline.catalog import Image, load_catalog, select
-from imgpipe.pipeline.cli import CONTEXT, invocation, reporting, settings_of
+from imgpipe.pipeline.clikit import CONTEXT, invocation, reporting, settings_of
 from imgpipe.pipeline.config import Settings
 from imgpipe.pipeline.engine import find_build_client
 from imgpipe.pipeline.errors import ConfigError, ImgpipeError

@@ -7,7 +7,7 @@ import time
 import click
 
 from imgpipe.enroot.usage import entries, parse_size, prune
-from imgpipe.pipeline.cli import CONTEXT, reporting, settings_of
+from imgpipe.pipeline.clikit import CONTEXT, reporting, settings_of
 from imgpipe.pipeline.output import Result, human_bytes
 from imgpipe.pipeline.wiring import storage
 

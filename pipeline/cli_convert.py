@@ -14,7 +14,7 @@ from imgpipe.enroot.nodeconfig import (
     render,
 )
 from imgpipe.pipeline.catalog import load_catalog
-from imgpipe.pipeline.cli import CONTEXT, invocation, reporting, settings_of
+from imgpipe.pipeline.clikit import CONTEXT, invocation, reporting, settings_of
 from imgpipe.pipeline.config import Settings
 from imgpipe.pipeline.errors import ConfigError
 from imgpipe.pipeline.files import file_sha256

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from imgpipe.pipeline.cli import CONTEXT, reporting, settings_of
+from imgpipe.pipeline.clikit import CONTEXT, reporting, settings_of
 from imgpipe.pipeline.errors import ConfigError
 from imgpipe.pipeline.output import Result
 from imgpipe.recipes.nccl import check as judge

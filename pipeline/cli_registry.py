@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from imgpipe.pipeline.cli import CONTEXT, reporting, settings_of
+from imgpipe.pipeline.clikit import CONTEXT, reporting, settings_of
 from imgpipe.pipeline.errors import ImgpipeError
 from imgpipe.pipeline.output import Result, human_bytes
 from imgpipe.pipeline.wiring import local_registry, registry_client

@@ -94,3 +94,27 @@ def test_the_error_tree_drawn_in_the_docstring_is_the_real_one() -> None:
     real = {cls.__name__: cls.__bases__[0].__name__ for cls in subclasses(ImgpipeError)
             if cls.__module__.startswith("imgpipe.")}
     assert {name: drawn.get(name) for name in real} == real
+
+
+def test_every_module_imports_on_its_own() -> None:
+    """`python -c "import imgpipe.<module>"` for each module, in a fresh interpreter: no
+    module may depend on another having been imported first (an import cycle)."""
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    modules = [f"imgpipe.{folder}.{path.stem}" for folder in ("pipeline", "registry", "enroot",
+                                                               "recipes")
+               for path in sorted((root / folder).glob("*.py")) if path.stem != "__init__"]
+    assert len(modules) > 40
+
+    def attempt(module: str) -> tuple[str, str]:
+        done = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True,
+                              text=True, timeout=120)
+        return module, done.stderr.strip().splitlines()[-1] if done.returncode else ""
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        failures = {m: e for m, e in pool.map(attempt, modules) if e}
+    assert failures == {}
