@@ -5,8 +5,14 @@ stdout, then ``IMPORTER release`` when the step ends.  URI comes in Enroot's
 form (``docker://[USER@][REGISTRY#]IMAGE[:TAG]``).  ``get`` converts under the
 digest's lock when needed, so the first job to need a digest converts it and
 every other node reuses the file.  ``release`` never deletes a shared cache
-entry; it only forgets this step's record, and may be called any number of
+entry; it only ends this step's recorded use, and may be called any number of
 times.  What goes to stderr is what the user sees when the import fails.
+
+With Pyxis's squashfuse mode a job starts in well under a second, so ``get`` for a
+digest already converted answers on a fast path: the standard library, yaml and
+imgpipe's light modules only (no pydantic, no requests), no network for a digest and
+one HEAD request for a tag.  Anything it does not recognise (credentials, TLS, an
+index, a digest not converted yet) goes the full way.
 
 Configuration comes from ``$IMGPIPE_CONFIG`` or ``/etc/imgpipe/imgpipe.yaml``.
 """
@@ -16,12 +22,13 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-
-from imgpipe.pipeline.config import load_settings
-from imgpipe.pipeline.errors import ImgpipeError
+from typing import Any
 
 SITE_CONFIG = Path("/etc/imgpipe/imgpipe.yaml")
 USAGE = "usage: imgpipe-pyxis-importer get URI | release"
+# The defaults of imgpipe.pipeline.config that the fast path reads (a test keeps them equal).
+DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SCHEME = "127.0.0.1", 5000, "http"
+DEFAULT_SQUASHFS_DIR, DEFAULT_COMPRESSION = "build/squashfs", "zstd"
 
 
 def _step_record() -> Path:
@@ -31,39 +38,132 @@ def _step_record() -> Path:
     return runtime / f"imgpipe-importer.{os.getuid()}.{job}.{step}"
 
 
+def _config_file() -> str | None:
+    return os.environ.get("IMGPIPE_CONFIG") or (str(SITE_CONFIG) if SITE_CONFIG.is_file()
+                                                 else None)
+
+
+def quick_settings(path: str | None) -> dict[str, Any] | None:
+    """The few settings the fast path needs, read with yaml alone; None when the file
+    says anything the fast path would have to interpret (then the full loader decides)."""
+    import yaml
+
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path) as handle:
+                raw = yaml.load(handle, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        except (OSError, yaml.YAMLError):
+            return None
+        if not isinstance(raw, dict):
+            return None
+    registry = raw.get("registry") or {}
+    outputs = raw.get("outputs") or {}
+    enroot = raw.get("enroot") or {}
+    if not all(isinstance(x, dict) for x in (registry, outputs, enroot)):
+        return None
+    root = Path(path).resolve().parent if path else Path.cwd()
+    folder = Path(str(outputs.get("squashfs_dir", DEFAULT_SQUASHFS_DIR)))
+    credentials = (registry.get("credentials") or {}).get("source", "none")
+    return {
+        "address": f"{registry.get('host', DEFAULT_HOST)}:{registry.get('port', DEFAULT_PORT)}",
+        "scheme": registry.get("scheme", DEFAULT_SCHEME),
+        "plain": credentials == "none" and not registry.get("ca_file"),
+        "squashfs_dir": (folder if folder.is_absolute() else root / folder).resolve(),
+        "compression": enroot.get("compression", DEFAULT_COMPRESSION),
+    }
+
+
+def _head_digest(scheme: str, address: str, repository: str, tag: str) -> str | None:
+    """The manifest digest a tag names, by one HEAD; None for an index or anything odd."""
+    import http.client
+
+    from imgpipe.registry.mediatypes import INDEX_TYPES, MANIFEST_ACCEPT
+
+    host, _, port = address.rpartition(":")
+    kind = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
+    try:
+        connection = kind(host, int(port), timeout=5)
+        connection.request("HEAD", f"/v2/{repository}/manifests/{tag}",
+                           headers={"Accept": MANIFEST_ACCEPT})
+        response = connection.getresponse()
+        connection.close()
+    except (OSError, http.client.HTTPException, ValueError):
+        return None
+    media_type = (response.getheader("Content-Type") or "").split(";")[0].strip()
+    digest = response.getheader("Docker-Content-Digest")
+    if response.status != 200 or media_type in INDEX_TYPES or not digest:
+        return None
+    return digest
+
+
+def fast_get(uri: str) -> Path | None:
+    """The squashfs of an already converted image, or None to take the full path."""
+    from imgpipe.enroot.storage import Storage
+    from imgpipe.registry.errors import ReferenceFormatError
+    from imgpipe.registry.reference import Reference
+
+    quick = quick_settings(_config_file())
+    if quick is None:
+        return None
+    try:
+        ref = Reference.parse(uri, default_registry=quick["address"])
+    except ReferenceFormatError:
+        return None
+    if ref.registry != quick["address"]:
+        return None  # the full path refuses it with its one line
+    digest = ref.digest
+    if digest is None:
+        if not quick["plain"] or quick["scheme"] not in ("http", "https"):
+            return None
+        digest = _head_digest(quick["scheme"], quick["address"], ref.repository,
+                              ref.reference)
+        if digest is None:
+            return None
+    storage = Storage(quick["squashfs_dir"])
+    try:
+        return storage.find_squashfs(digest, quick["compression"])
+    except Exception:  # anything unexpected: the full path, with its errors, decides
+        return None
+
+
 def get(uri: str) -> Path:
     from imgpipe.enroot.convert import convert
     from imgpipe.enroot.squash import SquashOptions
+    from imgpipe.pipeline.config import load_settings
     from imgpipe.pipeline.wiring import registry_client, storage
     from imgpipe.registry.reference import Reference
 
-    explicit = os.environ.get("IMGPIPE_CONFIG") or (str(SITE_CONFIG) if SITE_CONFIG.is_file()
-                                                    else None)
-    settings = load_settings(explicit)
+    settings = load_settings(_config_file())
     ref = Reference.parse(uri, default_registry=settings.registry.address)
     enroot = settings.enroot
     conversion = convert(
         registry_client(settings), storage(settings), ref,
         SquashOptions(enroot.compression, enroot.zstd_level, enroot.processors),
         say=lambda text: print(f"imgpipe: {text}", file=sys.stderr, flush=True))
-    from imgpipe.enroot.usage import parse_size, prune, record_use
-
-    marker = record_use(storage(settings), conversion.path,
-                        os.environ.get("SLURM_JOB_ID", "nojob"),
-                        os.environ.get("SLURM_STEP_ID", "nostep"))
-    # A name others can predict in a shared /tmp: never through a link, private to the user.
-    fd = os.open(_step_record(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as record:
-        record.write(f"{conversion.path}\n{marker}\n")
     if conversion.converted and enroot.cache_max_size:
+        from imgpipe.enroot.usage import parse_size, prune
+
         prune(storage(settings), max_size=parse_size(enroot.cache_max_size))
     return conversion.path
 
 
+def _record(squashfs: Path) -> None:
+    """Record this step's use of ``squashfs`` (so prune keeps it) and remember it for
+    release, in a file only this user reads, never written through a link."""
+    from imgpipe.enroot.storage import Storage
+    from imgpipe.enroot.usage import record_use
+
+    marker = record_use(Storage(squashfs.parent), squashfs,
+                        os.environ.get("SLURM_JOB_ID", "nojob"),
+                        os.environ.get("SLURM_STEP_ID", "nostep"))
+    fd = os.open(_step_record(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as record:
+        record.write(f"{squashfs}\n{marker}\n")
+
+
 def release() -> None:
     """End this step's use of the entry it got; the shared file itself always stays."""
-    from imgpipe.enroot.usage import release_use
-
     record = _step_record()
     try:
         fd = os.open(record, os.O_RDONLY | os.O_NOFOLLOW)
@@ -72,15 +172,19 @@ def release() -> None:
     with os.fdopen(fd) as handle:
         lines = handle.read().splitlines()
     if len(lines) > 1 and "/.imgpipe/uses/" in lines[1]:
-        release_use(Path(lines[1]))
+        Path(lines[1]).unlink(missing_ok=True)
     record.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> int:
+    from imgpipe.pipeline.errors import ImgpipeError
+
     args = sys.argv[1:] if argv is None else argv
     try:
         if len(args) == 2 and args[0] == "get":
-            print(get(args[1]), flush=True)
+            path = fast_get(args[1]) or get(args[1])
+            _record(path)
+            print(path, flush=True)
             return 0
         if len(args) == 1 and args[0] == "release":
             release()

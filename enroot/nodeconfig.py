@@ -30,6 +30,10 @@ PYXIS_SO_CANDIDATES = ("/usr/local/lib/slurm/spank_pyxis.so", "/usr/lib/slurm/sp
 PYXIS_VERSION_MARK = re.compile(rb"pyxis: version v(\d+)\.(\d+)(?:\.(\d+))?")
 CLEANUP_PATH = ("/usr/local/bin", "/usr/bin", "/bin")  # Pyxis's PATH for `enroot list`
 IMPORTER_SINCE = (0, 21)
+SQUASHFUSE_SINCE = (0, 22)           # use_squashfuse for image paths
+SQUASHFUSE_IMPORTER_SINCE = (0, 24)  # ... and for images an importer returns
+SQUASHFUSE_NEEDS = ("squashfuse and mountpoint on slurmd's PATH, /dev/fuse usable by job "
+                    "users (mode 0666), Enroot's native overlayfs (its default)")
 SYSTEM_VENV = "/opt/imgpipe"
 
 Version = tuple[int, int, int]
@@ -71,8 +75,8 @@ def detect_pyxis(candidates: tuple[str, ...] = PYXIS_SO_CANDIDATES
 
 
 def render(settings: Settings, importer_path: str, pyxis_version: Version | None = None,
-           pyxis_so: str = PYXIS_SO_CANDIDATES[0], enroot_path: str | None = None
-           ) -> NodeConfig:
+           pyxis_so: str = PYXIS_SO_CANDIDATES[0], enroot_path: str | None = None,
+           squashfuse: bool = True) -> NodeConfig:
     registry = settings.registry
     squashfs = settings.path(settings.outputs.squashfs_dir).resolve()
     notes: list[str] = []
@@ -114,6 +118,18 @@ def render(settings: Settings, importer_path: str, pyxis_version: Version | None
         notes.append(f"enroot is {where}: container_scope=job would make Pyxis's end-of-job "
                      "cleanup (PATH=/usr/local/bin:/usr/bin:/bin) fail and drain the node")
     options.append("sbatch_support=1")
+    if squashfuse and pyxis_version is not None and pyxis_version >= SQUASHFUSE_SINCE:
+        # Pyxis then mounts the squashfs (squashfuse + overlayfs) instead of unpacking it
+        # with `enroot create`: a 1.2 GB image starts in 0.4 s instead of 30 s.
+        options.append("use_squashfuse=1")
+        if pyxis_version < SQUASHFUSE_IMPORTER_SINCE:
+            notes.append(f"Pyxis {_show(pyxis_version)}: use_squashfuse applies to squashfs "
+                         "paths only (importer images too from 0.24)")
+        notes.append(f"use_squashfuse needs {SQUASHFUSE_NEEDS}; `imgpipe doctor` on a node "
+                     "checks them; --container-name/--container-save steps still unpack")
+    elif squashfuse and pyxis_version is not None:
+        notes.append(f"Pyxis {_show(pyxis_version)} has no use_squashfuse (0.22+): every "
+                     "job unpacks its image first (tens of seconds for a GB image)")
     plugstack = [
         "# /etc/slurm/plugstack.conf.d/pyxis.conf"
         + (f" (Pyxis {_show(pyxis_version)})" if pyxis_version else ""),

@@ -62,7 +62,7 @@ def record_use(storage: Storage, squashfs: Path, job: str, step: str) -> Path:
     """Mark ``squashfs`` as in use by this step; returns the marker."""
     folder = _uses_dir(storage, squashfs)
     mode = stat.S_IMODE(storage.root.stat().st_mode) & 0o3777
-    for parent in (folder.parent, folder):
+    for parent in (storage.meta, folder.parent, folder):
         try:
             parent.mkdir()
             os.chmod(parent, mode)

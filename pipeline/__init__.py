@@ -1,20 +1,32 @@
 """imgpipe.pipeline: the CLI, configuration, and the pieces every subsystem shares.
 
 The CLI itself (``imgpipe.pipeline.cli``) is not imported here, so that other
-subsystems can use the shared pieces without pulling it in.
+subsystems can use the shared pieces without pulling it in.  The names below are
+resolved on first use (PEP 562): importing any ``imgpipe.pipeline`` module must not
+load the configuration's pydantic models, which the Pyxis importer's fast path and
+``imgpipe --help`` do without.
 """
 
-from imgpipe.pipeline.config import Settings, load_settings
-from imgpipe.pipeline.errors import CommandError, ConfigError, ImgpipeError, ToolMissingError
-from imgpipe.pipeline.files import atomic_path, atomic_write
+from __future__ import annotations
 
-__all__ = [
-    "CommandError",
-    "ConfigError",
-    "ImgpipeError",
-    "Settings",
-    "ToolMissingError",
-    "atomic_path",
-    "atomic_write",
-    "load_settings",
-]
+import importlib
+from typing import Any
+
+_HOME = {
+    "Settings": "imgpipe.pipeline.config",
+    "load_settings": "imgpipe.pipeline.config",
+    "CommandError": "imgpipe.pipeline.errors",
+    "ConfigError": "imgpipe.pipeline.errors",
+    "ImgpipeError": "imgpipe.pipeline.errors",
+    "ToolMissingError": "imgpipe.pipeline.errors",
+    "atomic_path": "imgpipe.pipeline.files",
+    "atomic_write": "imgpipe.pipeline.files",
+}
+
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOME:
+        return getattr(importlib.import_module(_HOME[name]), name)
+    raise AttributeError(f"module 'imgpipe.pipeline' has no attribute {name!r}")

@@ -120,14 +120,18 @@ convert_command.name = "convert"
               help="Path of enroot on the nodes (default: the one on this PATH).")
 @click.option("--importer", default=None, metavar="PATH",
               help="Importer path on the nodes (default: /usr/local/bin/imgpipe-pyxis-importer).")
+@click.option("--no-squashfuse", is_flag=True, help="Leave out use_squashfuse=1 (Pyxis 0.22+), "
+              "so jobs unpack images as before.")
 @reporting
 def node_config(ctx: click.Context, pyxis_version: str | None, pyxis_plugin: str | None,
-                enroot_path: str | None, importer: str | None) -> Result:
+                enroot_path: str | None, importer: str | None, no_squashfuse: bool) -> Result:
     """Print what compute nodes need: enroot.conf, plugstack.conf and install lines.
 
     The plugstack line follows the nodes' Pyxis: importer= only for 0.21 and newer
     (older Pyxis fails on it and breaks every srun), container_scope=job only where
-    Pyxis's cleanup finds enroot.  Run it on a compute node, or say the versions.
+    Pyxis's cleanup finds enroot, use_squashfuse=1 from 0.22 (jobs mount the squashfs
+    instead of unpacking it: start-up in about a second).  Run it on a compute node,
+    or say the versions.
 
     \b
     Example:
@@ -144,7 +148,7 @@ def node_config(ctx: click.Context, pyxis_version: str | None, pyxis_plugin: str
         version = detected[1]
     plugin = pyxis_plugin or (detected[0] if detected else PYXIS_SO_CANDIDATES[0])
     rendered = render(settings_of(ctx), importer or importer_path(), version, plugin,
-                      enroot_path or enroot_location())
+                      enroot_path or enroot_location(), squashfuse=not no_squashfuse)
     text = rendered.enroot_conf + "\n" + rendered.plugstack_conf + "\n" + rendered.install
     if rendered.credentials:
         text += "\n" + rendered.credentials

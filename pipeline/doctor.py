@@ -85,6 +85,48 @@ def check_pyxis() -> Check:
                  "recipes can still run with --runtime host", required=False)
 
 
+def check_squashfuse_mode(pyxis_version: tuple[int, int, int] | None,
+                          filesystems: str | None = None, fuse: Path = Path("/dev/fuse")
+                          ) -> list[Check]:
+    """What Pyxis's use_squashfuse=1 needs on this node, each named when missing."""
+    checks = [check_tool("squashfuse", ["squashfuse"], "apt-get install squashfuse (it must "
+                         "be on slurmd's PATH)", required=False),
+              check_tool("mountpoint", ["mountpoint"], "apt-get install util-linux",
+                         required=False)]
+    try:
+        mode = fuse.stat().st_mode & 0o777
+        if mode & 0o006 == 0o006:
+            checks.append(Check("/dev/fuse", "ok", f"mode {mode:04o}", required=False))
+        else:
+            checks.append(Check("/dev/fuse", "warn", f"mode {mode:04o}: job users cannot "
+                                "mount", f"chmod 0666 {fuse} (a udev rule keeps it)",
+                                required=False))
+    except OSError:
+        checks.append(Check("/dev/fuse", "warn", "missing", "modprobe fuse", required=False))
+    if filesystems is None:
+        try:
+            filesystems = Path("/proc/filesystems").read_text()
+        except OSError:
+            filesystems = ""
+    if "overlay" in filesystems.split():
+        checks.append(Check("overlayfs", "ok", "in the kernel", required=False))
+    else:
+        checks.append(Check("overlayfs", "warn", "not in /proc/filesystems",
+                            "modprobe overlay (Enroot's native overlayfs)", required=False))
+    if pyxis_version is None:
+        return checks
+    shown = ".".join(map(str, pyxis_version))
+    if pyxis_version >= (0, 22):
+        scope = "image paths and importer images" if pyxis_version >= (0, 24) else "image paths"
+        checks.append(Check("pyxis squashfuse", "ok", f"Pyxis {shown}: use_squashfuse=1 "
+                            f"applies to {scope}", required=False))
+    else:
+        checks.append(Check("pyxis squashfuse", "warn", f"Pyxis {shown} has no use_squashfuse",
+                            "upgrade Pyxis to 0.24 to start jobs without unpacking",
+                            required=False))
+    return checks
+
+
 def check_disk(settings: Settings) -> Check:
     where = settings.path(settings.outputs.squashfs_dir)
     probe = where
@@ -114,5 +156,9 @@ def run_checks(settings: Settings) -> list[Check]:
                              "(https://github.com/NVIDIA/enroot); imgpipe converts without it",
                              required=False))
     checks.append(check_pyxis())
+    from imgpipe.enroot.nodeconfig import detect_pyxis
+
+    detected = detect_pyxis()
+    checks.extend(check_squashfuse_mode(detected[1] if detected else None))
     checks.append(check_disk(settings))
     return checks

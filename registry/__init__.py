@@ -1,36 +1,39 @@
 """imgpipe.registry: the Registry HTTP API v2 client and the head node's registry.
 
 Depends only on imgpipe.pipeline's shared pieces (errors, files, processes).
+
+Names are resolved on first use (PEP 562), so importing one module of the package
+(``imgpipe.registry.reference``) does not load the HTTP client or the configuration.
 """
 
-from imgpipe.registry.auth import Credentials
-from imgpipe.registry.client import Manifest, Platform, RegistryClient
-from imgpipe.registry.errors import (
-    AuthError,
-    DigestMismatchError,
-    LocalRegistryError,
-    ReferenceFormatError,
-    RegistryError,
-)
-from imgpipe.registry.inventory import Removal, TagInfo, remove_tag, tag_digests
-from imgpipe.registry.local import LocalRegistry, ServerState
-from imgpipe.registry.reference import Reference
+from __future__ import annotations
 
-__all__ = [
-    "AuthError",
-    "Credentials",
-    "DigestMismatchError",
-    "LocalRegistry",
-    "LocalRegistryError",
-    "Manifest",
-    "Platform",
-    "Reference",
-    "ReferenceFormatError",
-    "RegistryClient",
-    "RegistryError",
-    "Removal",
-    "ServerState",
-    "TagInfo",
-    "remove_tag",
-    "tag_digests",
-]
+import importlib
+from typing import Any
+
+_HOME = {
+    "AuthError": "imgpipe.registry.errors",
+    "Credentials": "imgpipe.registry.auth",
+    "DigestMismatchError": "imgpipe.registry.errors",
+    "LocalRegistry": "imgpipe.registry.local",
+    "LocalRegistryError": "imgpipe.registry.errors",
+    "Manifest": "imgpipe.registry.client",
+    "Platform": "imgpipe.registry.client",
+    "Reference": "imgpipe.registry.reference",
+    "ReferenceFormatError": "imgpipe.registry.errors",
+    "RegistryClient": "imgpipe.registry.client",
+    "RegistryError": "imgpipe.registry.errors",
+    "Removal": "imgpipe.registry.inventory",
+    "ServerState": "imgpipe.registry.local",
+    "TagInfo": "imgpipe.registry.inventory",
+    "remove_tag": "imgpipe.registry.inventory",
+    "tag_digests": "imgpipe.registry.inventory",
+}
+
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOME:
+        return getattr(importlib.import_module(_HOME[name]), name)
+    raise AttributeError(f"module 'imgpipe.registry' has no attribute {name!r}")

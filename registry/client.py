@@ -26,15 +26,16 @@ from urllib3.util.retry import Retry
 from imgpipe.pipeline.files import atomic_path
 from imgpipe.registry.auth import Authenticator, Credentials
 from imgpipe.registry.errors import AuthError, DigestMismatchError, RegistryError
+from imgpipe.registry.mediatypes import (  # noqa: F401 (re-exported)
+    DOCKER_LIST,
+    DOCKER_MANIFEST,
+    INDEX_TYPES,
+    MANIFEST_ACCEPT,
+    OCI_INDEX,
+    OCI_MANIFEST,
+)
 
 log = logging.getLogger(__name__)
-
-DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
-DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
-OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
-OCI_INDEX = "application/vnd.oci.image.index.v1+json"
-INDEX_TYPES = {DOCKER_LIST, OCI_INDEX}
-MANIFEST_ACCEPT = ", ".join([DOCKER_MANIFEST, DOCKER_LIST, OCI_MANIFEST, OCI_INDEX])
 
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 20.0  # of silence: a stalled registry is given up on, not waited for

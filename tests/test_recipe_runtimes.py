@@ -308,3 +308,74 @@ def test_cache_folders_take_the_shared_mode_and_locks_are_usable_by_all(tmp_path
     with storage.lock("sha256:" + "ef" * 32):
         pass
     assert (storage.locks / f"{'ef' * 32}.lock").stat().st_mode & 0o777 == 0o666
+
+
+@pytest.mark.parametrize(("version", "squashfuse", "note"), [
+    ("0.21", False, "has no use_squashfuse (0.22+)"),
+    ("0.22", True, "applies to squashfs paths only"),
+    ("0.24", True, "use_squashfuse needs squashfuse and mountpoint on slurmd's PATH")])
+def test_node_config_turns_on_squashfuse_mode_where_pyxis_has_it(tmp_path: Path, version: str,
+                                                                 squashfuse: bool,
+                                                                 note: str) -> None:
+    config = render(_settings(tmp_path), "/x", parse_version(version),
+                    enroot_path="/usr/bin/enroot")
+    [line] = [x for x in config.plugstack_conf.splitlines() if x.startswith("required")]
+    assert ("use_squashfuse=1" in line) is squashfuse
+    assert any(note in n for n in config.notes), config.notes
+    off = render(_settings(tmp_path), "/x", parse_version(version),
+                 enroot_path="/usr/bin/enroot", squashfuse=False)
+    assert "use_squashfuse" not in off.plugstack_conf
+
+
+def test_doctor_names_what_squashfuse_mode_lacks(tmp_path: Path) -> None:
+    from imgpipe.pipeline.doctor import check_squashfuse_mode
+
+    fuse = tmp_path / "fuse"
+    fuse.touch()
+    os.chmod(fuse, 0o600)
+    without = {c.name: c for c in check_squashfuse_mode((0, 20, 0), "nodev\tproc\n", fuse)}
+    assert without["/dev/fuse"].verdict == "warn" and "chmod 0666" in without["/dev/fuse"].fix
+    assert without["overlayfs"].verdict == "warn"
+    assert without["pyxis squashfuse"].verdict == "warn"
+    os.chmod(fuse, 0o666)
+    ready = {c.name: c for c in check_squashfuse_mode((0, 24, 0), "nodev\toverlay\n", fuse)}
+    assert all(ready[n].verdict == "ok" for n in ("/dev/fuse", "overlayfs", "pyxis squashfuse"))
+    assert "importer images" in ready["pyxis squashfuse"].detail
+
+
+def test_the_importer_fast_path_reads_the_settings_the_full_loader_reads(tmp_path: Path
+                                                                         ) -> None:
+    from imgpipe.enroot.importer import quick_settings
+
+    for text in ("{}\n", "registry: {host: head, port: 5001}\noutputs: {squashfs_dir: sq}\n"
+                 "enroot: {compression: lz4}\n", "outputs: {squashfs_dir: /abs/sq}\n"):
+        config = tmp_path / "imgpipe.yaml"
+        config.write_text(text)
+        full = load_settings(str(config))
+        quick = quick_settings(str(config))
+        assert quick is not None
+        assert quick["address"] == full.registry.address
+        assert quick["squashfs_dir"] == full.path(full.outputs.squashfs_dir).resolve()
+        assert quick["compression"] == full.enroot.compression
+
+
+def test_the_importer_answers_a_converted_digest_without_the_heavy_machinery(tmp_path: Path
+                                                                             ) -> None:
+    import sys
+
+    digest = "ab" * 32
+    squashfs = tmp_path / "sq"
+    squashfs.mkdir()
+    published = squashfs / f"imgpipe+bert+sha256-{digest}+zstd-f2.sqsh"
+    published.write_bytes(b"hsqs")
+    config = tmp_path / "imgpipe.yaml"
+    config.write_text("registry: {host: head, port: 5000}\n"
+                      f"outputs: {{squashfs_dir: {squashfs}}}\n")
+    probe = ("import sys\nfrom imgpipe.enroot.importer import main\n"
+             f"code = main(['get', 'docker://head:5000#imgpipe/bert@sha256:{digest}'])\n"
+             "print(code, 'pydantic' in sys.modules, 'requests' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          env={**os.environ, "IMGPIPE_CONFIG": str(config),
+                               "XDG_RUNTIME_DIR": str(tmp_path)}, timeout=60)
+    assert done.stdout.splitlines() == [str(published), "0 False False"], done.stderr
+    assert list((squashfs / ".imgpipe" / "uses" / published.name).iterdir())  # use recorded
