@@ -78,12 +78,14 @@ def atomic_path(final: str | os.PathLike[str], mode: int | None = None,
                              | os.O_CLOEXEC, 0o600, dir_fd=folder))
         try:
             yield tmp
-            if mode is not None:
-                fd = os.open(tmp.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder)
-                try:
-                    os.fchmod(fd, mode)
-                finally:
-                    os.close(fd)
+            # The temporary started private; without a mode, publish what open() would
+            # have made (0666 less the umask): other users read shared cache files.
+            final_mode = 0o666 & ~_umask() if mode is None else mode
+            fd = os.open(tmp.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder)
+            try:
+                os.fchmod(fd, final_mode)
+            finally:
+                os.close(fd)
             os.replace(tmp.name, final.name, src_dir_fd=folder, dst_dir_fd=folder)
         except BaseException as exc:
             with contextlib.suppress(FileNotFoundError):
@@ -94,6 +96,17 @@ def atomic_path(final: str | os.PathLike[str], mode: int | None = None,
             raise
     finally:
         os.close(folder)
+
+
+def _umask() -> int:
+    """The process umask, read without changing it (os.umask can only set it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
 
 
 def file_sha256(path: str | os.PathLike[str]) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -52,3 +53,16 @@ def test_missing_program_names_the_package() -> None:
 def test_timeout_is_an_error() -> None:
     with pytest.raises(CommandError, match="did not finish within 1 s"):
         run(["sleep", "5"], timeout=1)
+
+
+def test_atomic_files_get_the_mode_open_would_give(tmp_path: Path) -> None:
+    """Exclusive temporaries start private (0600); what is published without a mode must
+    still be readable as open() would have made it (others read shared cache files)."""
+    old = os.umask(0o022)
+    try:
+        plain = atomic_write(tmp_path / "plain", "x")
+        private = atomic_write(tmp_path / "private", "x", mode=0o600)
+    finally:
+        os.umask(old)
+    assert plain.stat().st_mode & 0o777 == 0o644
+    assert private.stat().st_mode & 0o777 == 0o600
