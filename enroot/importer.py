@@ -21,31 +21,36 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-SITE_CONFIG = Path("/etc/imgpipe/imgpipe.yaml")
+if TYPE_CHECKING:
+    from pathlib import Path
+
+SITE_CONFIG = "/etc/imgpipe/imgpipe.yaml"
 USAGE = "usage: imgpipe-pyxis-importer get URI | release"
 # The defaults of imgpipe.pipeline.config that the fast path reads (a test keeps them equal).
 DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SCHEME = "127.0.0.1", 5000, "http"
 DEFAULT_SQUASHFS_DIR, DEFAULT_COMPRESSION = "build/squashfs", "zstd"
 
 
-def _step_record() -> Path:
-    runtime = Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp")
+def _step_record() -> str:
+    """This user's record of what this step got (the release path needs only ``os``)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
     job = os.environ.get("SLURM_JOB_ID", "nojob")
     step = os.environ.get("SLURM_STEP_ID", "nostep")
-    return runtime / f"imgpipe-importer.{os.getuid()}.{job}.{step}"
+    return os.path.join(runtime, f"imgpipe-importer.{os.getuid()}.{job}.{step}")
 
 
 def _config_file() -> str | None:
-    return os.environ.get("IMGPIPE_CONFIG") or (str(SITE_CONFIG) if SITE_CONFIG.is_file()
+    return os.environ.get("IMGPIPE_CONFIG") or (SITE_CONFIG if os.path.isfile(SITE_CONFIG)
                                                  else None)
 
 
 def quick_settings(path: str | None) -> dict[str, Any] | None:
     """The few settings the fast path needs, read with yaml alone; None when the file
     says anything the fast path would have to interpret (then the full loader decides)."""
+    from pathlib import Path
+
     import yaml
 
     raw: dict[str, Any] = {}
@@ -172,22 +177,32 @@ def release() -> None:
     with os.fdopen(fd) as handle:
         lines = handle.read().splitlines()
     if len(lines) > 1 and "/.imgpipe/uses/" in lines[1]:
-        Path(lines[1]).unlink(missing_ok=True)
-    record.unlink(missing_ok=True)
+        try:
+            os.unlink(lines[1])
+        except FileNotFoundError:
+            pass
+    try:
+        os.unlink(record)
+    except FileNotFoundError:
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) == 1 and args[0] == "release":
+        try:
+            release()
+        except OSError as exc:
+            print(f"imgpipe: error: {exc.filename}: {exc.strerror}", file=sys.stderr)
+            return 1
+        return 0
     from imgpipe.pipeline.errors import ImgpipeError
 
-    args = sys.argv[1:] if argv is None else argv
     try:
         if len(args) == 2 and args[0] == "get":
             path = fast_get(args[1]) or get(args[1])
             _record(path)
             print(path, flush=True)
-            return 0
-        if len(args) == 1 and args[0] == "release":
-            release()
             return 0
     except ImgpipeError as exc:
         print(f"imgpipe: error: {exc}", file=sys.stderr)
@@ -201,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> None:
-    from imgpipe.pipeline.process import raise_on_sigterm
+    if sys.argv[1:2] == ["get"]:  # a conversion may run: SIGTERM must clean up
+        from imgpipe.pipeline.process import raise_on_sigterm
 
-    raise_on_sigterm()
+        raise_on_sigterm()
     sys.exit(main())
