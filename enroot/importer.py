@@ -30,7 +30,7 @@ SITE_CONFIG = "/etc/imgpipe/imgpipe.yaml"
 USAGE = "usage: imgpipe-pyxis-importer get URI | release"
 # The defaults of imgpipe.pipeline.config that the fast path reads (a test keeps them equal).
 DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SCHEME = "127.0.0.1", 5000, "http"
-DEFAULT_SQUASHFS_DIR, DEFAULT_COMPRESSION = "build/squashfs", "zstd"
+DEFAULT_SQUASHFS_DIR = "build/squashfs"
 
 
 def _step_record() -> str:
@@ -75,7 +75,8 @@ def quick_settings(path: str | None) -> dict[str, Any] | None:
         "scheme": registry.get("scheme", DEFAULT_SCHEME),
         "plain": credentials == "none" and not registry.get("ca_file"),
         "squashfs_dir": (folder if folder.is_absolute() else root / folder).resolve(),
-        "compression": enroot.get("compression", DEFAULT_COMPRESSION),
+        "compression": enroot.get("compression")
+        or ("lz4" if enroot.get("squashfuse") is True else "zstd"),
     }
 
 
@@ -144,7 +145,8 @@ def get(uri: str) -> Path:
     enroot = settings.enroot
     conversion = convert(
         registry_client(settings), storage(settings), ref,
-        SquashOptions(enroot.compression, enroot.zstd_level, enroot.processors),
+        SquashOptions(enroot.default_compression, enroot.zstd_level,  # type: ignore[arg-type]
+                      enroot.processors),
         say=lambda text: print(f"imgpipe: {text}", file=sys.stderr, flush=True))
     if conversion.converted and enroot.cache_max_size:
         from imgpipe.enroot.usage import parse_size, prune

@@ -112,12 +112,22 @@ class BuildConfig(_Strict):
 class EnrootConfig(_Strict):
     """Squashfs conversion: compression and parallelism for the whole site."""
 
-    compression: Literal["zstd", "lz4", "lzo-enroot", "none"] = "zstd"
+    # None: by how nodes start jobs.  Unpacking (Pyxis's default) wants the smallest file:
+    # zstd.  Mounting (use_squashfuse=1) reads through FUSE on every start: lz4 reads 1.7x
+    # faster than zstd for 1.4x the size (bench/bench_squashfuse.py; README).
+    compression: Literal["zstd", "lz4", "lzo-enroot", "none"] | None = None
+    squashfuse: bool = Field(default=False, description="nodes run Pyxis with "
+                             "use_squashfuse=1 (jobs mount squashfs files, never unpack)")
     zstd_level: int = Field(default=3, ge=1, le=22)
     processors: int = Field(default=0, ge=0, description="0: every core")
     max_connections: int = Field(default=4, ge=1, le=64)
     cache_max_size: str | None = Field(default=None, description="prune the shared cache "
                                        "to this size (e.g. 500G) after each conversion")
+
+    @property
+    def default_compression(self) -> str:
+        """The compression conversions use when nothing more specific says."""
+        return self.compression or ("lz4" if self.squashfuse else "zstd")
 
     @field_validator("cache_max_size")
     @classmethod

@@ -348,7 +348,9 @@ def test_the_importer_fast_path_reads_the_settings_the_full_loader_reads(tmp_pat
     from imgpipe.enroot.importer import quick_settings
 
     for text in ("{}\n", "registry: {host: head, port: 5001}\noutputs: {squashfs_dir: sq}\n"
-                 "enroot: {compression: lz4}\n", "outputs: {squashfs_dir: /abs/sq}\n"):
+                 "enroot: {compression: lz4}\n", "outputs: {squashfs_dir: /abs/sq}\n",
+                 "enroot: {squashfuse: true}\n",
+                 "enroot: {squashfuse: true, compression: none}\n"):
         config = tmp_path / "imgpipe.yaml"
         config.write_text(text)
         full = load_settings(str(config))
@@ -356,7 +358,7 @@ def test_the_importer_fast_path_reads_the_settings_the_full_loader_reads(tmp_pat
         assert quick is not None
         assert quick["address"] == full.registry.address
         assert quick["squashfs_dir"] == full.path(full.outputs.squashfs_dir).resolve()
-        assert quick["compression"] == full.enroot.compression
+        assert quick["compression"] == full.enroot.default_compression
 
 
 def test_the_importer_answers_a_converted_digest_without_the_heavy_machinery(tmp_path: Path
