@@ -9,8 +9,7 @@ load the configuration's pydantic models, which the Pyxis importer's fast path a
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from imgpipe.pipeline.lazy import lazy_exports
 
 _HOME = {
     "Settings": "imgpipe.pipeline.config",
@@ -26,7 +25,4 @@ _HOME = {
 __all__ = sorted(_HOME)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _HOME:
-        return getattr(importlib.import_module(_HOME[name]), name)
-    raise AttributeError(f"module 'imgpipe.pipeline' has no attribute {name!r}")
+__getattr__ = lazy_exports("imgpipe.pipeline", _HOME)

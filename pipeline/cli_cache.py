@@ -7,7 +7,7 @@ import time
 import click
 
 from imgpipe.enroot.usage import entries, parse_size, prune
-from imgpipe.pipeline.clikit import CONTEXT, reporting, settings_of
+from imgpipe.pipeline.clikit import CONTEXT, parsed_by, reporting, settings_of
 from imgpipe.pipeline.output import Result, human_bytes
 from imgpipe.pipeline.wiring import storage
 
@@ -48,27 +48,21 @@ def ls_command(ctx: click.Context) -> Result:
 
 
 @cache.command(name="prune", context_settings=CONTEXT)
-@click.option("--max-size", default=None, metavar="SIZE",
+@click.option("--max-size", default=None, metavar="SIZE", callback=parsed_by(parse_size),
               help="Remove least recently used entries until the cache holds at most SIZE "
               "(e.g. 500G, 800M).")
 @click.option("--unused-for", type=click.FloatRange(min=0), default=None, metavar="DAYS",
               help="Remove entries not used for DAYS days.")
 @click.option("--dry-run", is_flag=True, help="Say what would go, remove nothing.")
 @reporting
-def prune_command(ctx: click.Context, max_size: str | None, unused_for: float | None,
+def prune_command(ctx: click.Context, max_size: int | None, unused_for: float | None,
                   dry_run: bool) -> Result:
     """Remove cache entries, blobs first (they can be fetched again), least recently used
     first.  A squashfs a running job uses (recorded by the Pyxis importer until its
     release) or whose conversion is running is never removed."""
     if max_size is None and unused_for is None:
         raise click.UsageError("say how much to prune: --max-size SIZE or --unused-for DAYS")
-    limit = None
-    if max_size is not None:
-        try:
-            limit = parse_size(max_size)
-        except ValueError as exc:
-            raise click.BadParameter(str(exc), param_hint="--max-size") from exc
-    result = prune(storage(settings_of(ctx)), limit,
+    result = prune(storage(settings_of(ctx)), max_size,
                    unused_for * 86400 if unused_for is not None else None, dry_run)
     verb = "would remove" if dry_run else "removed"
     lines = [f"{verb} {len(result.removed)} entries ({human_bytes(result.freed)}); "

@@ -14,7 +14,7 @@ from imgpipe.enroot.nodeconfig import (
     render,
 )
 from imgpipe.pipeline.catalog import load_catalog
-from imgpipe.pipeline.clikit import CONTEXT, invocation, reporting, settings_of
+from imgpipe.pipeline.clikit import CONTEXT, invocation, parsed_by, reporting, settings_of
 from imgpipe.pipeline.config import Settings
 from imgpipe.pipeline.errors import ConfigError
 from imgpipe.pipeline.files import file_sha256
@@ -111,7 +111,7 @@ convert_command.name = "convert"
 
 
 @click.command(name="node-config", context_settings=CONTEXT)
-@click.option("--pyxis-version", default=None, metavar="X.Y[.Z]",
+@click.option("--pyxis-version", default=None, metavar="X.Y[.Z]", callback=parsed_by(parse_version),
               help="The nodes' Pyxis (default: read from the spank_pyxis.so found here).")
 @click.option("--pyxis-plugin", default=None, metavar="PATH",
               help="Path of spank_pyxis.so on the nodes (default: the one found here, else "
@@ -123,7 +123,8 @@ convert_command.name = "convert"
 @click.option("--no-squashfuse", is_flag=True, help="Leave out use_squashfuse=1 (Pyxis 0.22+), "
               "so jobs unpack images as before.")
 @reporting
-def node_config(ctx: click.Context, pyxis_version: str | None, pyxis_plugin: str | None,
+def node_config(ctx: click.Context, pyxis_version: tuple[int, int, int] | None,
+                pyxis_plugin: str | None,
                 enroot_path: str | None, importer: str | None, no_squashfuse: bool) -> Result:
     """Print what compute nodes need: enroot.conf, plugstack.conf and install lines.
 
@@ -138,14 +139,7 @@ def node_config(ctx: click.Context, pyxis_version: str | None, pyxis_plugin: str
       imgpipe node-config --pyxis-version 0.24 --enroot /usr/bin/enroot > node-setup.txt
     """
     detected = detect_pyxis((pyxis_plugin,) if pyxis_plugin else PYXIS_SO_CANDIDATES)
-    version = None
-    if pyxis_version is not None:
-        try:
-            version = parse_version(pyxis_version)
-        except ValueError as exc:
-            raise click.BadParameter(str(exc), param_hint="--pyxis-version") from exc
-    elif detected:
-        version = detected[1]
+    version = pyxis_version or (detected[1] if detected else None)
     plugin = pyxis_plugin or (detected[0] if detected else PYXIS_SO_CANDIDATES[0])
     rendered = render(settings_of(ctx), importer or importer_path(), version, plugin,
                       enroot_path or enroot_location(), squashfuse=not no_squashfuse)

@@ -49,3 +49,19 @@ def reporting(fn: Callable[..., Result]) -> Callable[..., int]:
         return 0 if result.ok else 1
 
     return wrapper
+
+
+def parsed_by(parse: Callable[[str], Any]) -> Callable[[click.Context, click.Parameter, Any],
+                                                      Any]:
+    """A click callback that converts an option's text with ``parse``; its ValueError
+    becomes a usage error naming the option (exit 2)."""
+
+    def callback(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+        if value is None:
+            return None
+        try:
+            return parse(value)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), ctx=ctx, param=param) from exc
+
+    return callback

@@ -8,8 +8,7 @@ Names are resolved on first use (PEP 562), so importing one module of the packag
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from imgpipe.pipeline.lazy import lazy_exports
 
 _HOME = {
     "AuthError": "imgpipe.registry.errors",
@@ -33,7 +32,4 @@ _HOME = {
 __all__ = sorted(_HOME)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _HOME:
-        return getattr(importlib.import_module(_HOME[name]), name)
-    raise AttributeError(f"module 'imgpipe.registry' has no attribute {name!r}")
+__getattr__ = lazy_exports("imgpipe.registry", _HOME)
