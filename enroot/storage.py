@@ -91,12 +91,8 @@ class Storage:
             _check_folder(self.root)
             mode = self._shared_mode()
             for folder in (self.meta, self.blobs.parent, self.blobs, self.locks, self.tmp):
-                try:
-                    folder.mkdir()
-                except FileExistsError:
+                if not make_shared_dir(folder, mode):
                     _check_folder(folder)
-                    continue
-                os.chmod(folder, mode)  # mkdir's mode is cut by the umask
             version_file = self.meta / "VERSION"
             if version_file.exists():
                 found = version_file.read_text().strip()
@@ -105,10 +101,10 @@ class Storage:
                                        f"this imgpipe uses {LAYOUT_VERSION}",
                                        hint="use another outputs.squashfs_dir")
             else:
-                atomic_write(version_file, LAYOUT_VERSION + "\n")
+                _publish_once(version_file, LAYOUT_VERSION + "\n")
             tag = self.meta / "CACHEDIR.TAG"
             if not tag.exists():
-                atomic_write(tag, CACHEDIR_TAG)
+                _publish_once(tag, CACHEDIR_TAG)
         except PermissionError as exc:
             raise self._not_shared(exc) from exc
         except OSError as exc:
@@ -249,6 +245,30 @@ def _open_lock_file(path: Path) -> int:
         os.fchmod(fd, 0o666)
         return fd
     raise ConvertError(f"cannot open lock file {path}: it keeps disappearing")
+
+
+def _publish_once(path: Path, text: str) -> None:
+    """Write a file every user's run may try to write first: whoever loses the race (in a
+    sticky folder the rename onto another user's file is refused) finds it there."""
+    try:
+        atomic_write(path, text)
+    except PermissionError:
+        if not path.is_file():
+            raise
+
+
+def make_shared_dir(folder: Path, mode: int) -> bool:
+    """Create ``folder`` with exactly ``mode`` in one step (True), or find it there (False).
+    Not mkdir-then-chmod: between the two, another user's job would meet the umask's mode
+    and be refused."""
+    old = os.umask(0)
+    try:
+        os.mkdir(folder, mode)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        os.umask(old)
 
 
 def _check_folder(folder: Path) -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from imgpipe.enroot.errors import ConvertError
-from imgpipe.enroot.storage import Storage, digest_hex
+from imgpipe.enroot.storage import Storage, digest_hex, make_shared_dir
 
 SQSH_DIGEST = re.compile(r"\+sha256-(?P<hex>[0-9a-f]{64})\+")
 SIZE = re.compile(r"^(?P<n>\d+(?:\.\d+)?)\s*(?P<unit>[KMGT]?)i?B?$", re.IGNORECASE)
@@ -63,11 +63,7 @@ def record_use(storage: Storage, squashfs: Path, job: str, step: str) -> Path:
     folder = _uses_dir(storage, squashfs)
     mode = stat.S_IMODE(storage.root.stat().st_mode) & 0o3777
     for parent in (storage.meta, folder.parent, folder):
-        try:
-            parent.mkdir()
-            os.chmod(parent, mode)
-        except FileExistsError:
-            pass
+        make_shared_dir(parent, mode)
     marker = folder / f"{socket.gethostname()}~{os.getuid()}~{job}~{step}"
     try:
         os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))

@@ -74,8 +74,11 @@ def atomic_path(final: str | os.PathLike[str], mode: int | None = None,
     folder = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         if create:
-            os.close(os.open(tmp.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                             | os.O_CLOEXEC, 0o600, dir_fd=folder))
+            try:
+                os.close(os.open(tmp.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                                 | os.O_CLOEXEC, 0o600, dir_fd=folder))
+            except OSError as exc:  # name the whole path, not the one relative to the fd
+                raise OSError(exc.errno, exc.strerror, str(tmp)) from exc
         try:
             yield tmp
             # The temporary started private; without a mode, publish what open() would

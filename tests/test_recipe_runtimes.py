@@ -302,7 +302,11 @@ def test_cache_folders_take_the_shared_mode_and_locks_are_usable_by_all(tmp_path
     root.mkdir()
     os.chmod(root, 0o1777)
     storage = Storage(root)
-    storage.prepare()
+    old = os.umask(0o077)  # a user's strict umask: folders still made shared, at once
+    try:
+        storage.prepare()
+    finally:
+        os.umask(old)
     for folder in (storage.meta, storage.blobs, storage.locks, storage.tmp):
         assert folder.stat().st_mode & 0o7777 == 0o1777, folder
     with storage.lock("sha256:" + "ef" * 32):
