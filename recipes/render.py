@@ -47,7 +47,7 @@ class RecipeInputs:
     bert_config: str = ""  # a host file; empty: the image's own (BERT-Large)
     partition: str | None = None
     walltime_minutes: int = 480
-    shards: int = 256
+    shards: int | None = None  # None: the job derives it from the corpus size
     env: dict[str, str] = field(default_factory=dict)
     adjust_global_batch: bool = False
 
@@ -167,7 +167,7 @@ def render_bundle(inputs: RecipeInputs, folder: Path, phases: tuple[int, ...] = 
         if inputs.bert_config else "",
         "prelude": prelude(inputs.runtime).rstrip("\n"),
         "checker": check_program(profile.name, profile.busbw_gbs),
-        "shards": int(inputs.shards),
+        "shards": int(inputs.shards) if inputs.shards else None,
         "dataset_tasks": max(1, profile.cores_per_node // 2),
         "env": _environment(inputs),
         "bench": "all_reduce_perf" if inputs.nccl_image else "pytorch",

@@ -1,5 +1,6 @@
 """Dataset preparation (bert_trainer.dataset): format, statistics, determinism, resume,
-corruption, Wikipedia markup, and dataset.sub on the real one-node Slurm."""
+corruption, Wikipedia markup, sources.  Fidelity to the reference recipe, shard counts and
+long documents: test_dataset_fidelity.py."""
 
 from __future__ import annotations
 
@@ -70,11 +71,14 @@ def test_format_and_statistics(corpus, tmp_path: Path) -> None:
     summary = prepare(source, vocab, tmp_path / "out")
     for phase, (seq, pred) in {"1": (128, 20), "2": (512, 80)}.items():
         stats = summary["phases"][phase]
-        assert 0.14 <= stats["masked_fraction"] <= 0.16
+        assert 0.14 <= stats["masked_fraction"] <= 0.17
         assert 0.75 <= stats["mask_token_share"] <= 0.85
         assert 0.07 <= stats["random_token_share"] <= 0.13
         assert 0.35 <= stats["random_next_fraction"] <= 0.65
-        for path in sorted((tmp_path / "out" / f"phase{phase}").glob("*.hdf5")):
+        files = sorted((tmp_path / "out" / f"phase{phase}").glob("*.hdf5"))
+        # NVIDIA's run_pretraining.py only loads files whose name holds "training".
+        assert [p.name for p in files] == [f"training_shard_{i:05d}.hdf5" for i in range(6)]
+        for path in files:
             with h5py.File(path) as f:
                 n = f["input_ids"].shape[0]
                 assert sorted(f) == sorted(["input_ids", "input_mask", "segment_ids",
@@ -87,15 +91,26 @@ def test_format_and_statistics(corpus, tmp_path: Path) -> None:
                     "masked_lm_positions": ((n, pred), np.int32),
                     "masked_lm_ids": ((n, pred), np.int32),
                     "next_sentence_labels": ((n,), np.int8)}
+                assert all(f[k].compression == "gzip" for k in f)  # the default, as the reference
                 ids, mask = f["input_ids"][()], f["input_mask"][()]
+                segments = f["segment_ids"][()]
                 positions, labels = f["masked_lm_positions"][()], f["masked_lm_ids"][()]
                 assert (ids[:, 0] == 2).all()  # [CLS] of the trained vocabulary
-                assert ((ids != 0) == (mask == 1)).all()
+                lengths = mask.sum(axis=1)
+                assert (mask == (np.arange(seq)[None, :] < lengths[:, None])).all()
+                assert (ids[mask == 0] == 0).all() and (segments[mask == 0] == 0).all()
+                assert (ids[np.arange(n), lengths - 1] == 3).all()  # the final [SEP]
+                used = (positions > 0).sum(axis=1)
+                # The reference's count: 15 % of the whole sequence, [CLS] and [SEP] included.
+                expected = np.minimum(pred, np.maximum(1, np.rint(lengths * 0.15)))
+                assert (used == np.minimum(expected, lengths - 3)).all()
                 for row in range(min(n, 50)):
-                    used = positions[row][positions[row] > 0]
-                    assert len(used) >= 1 and list(used) == sorted(used)
-                    assert (positions[row][len(used):] == 0).all()  # first 0 ends the list
-                    assert (labels[row][len(used):] == 0).all()
+                    chosen = positions[row][:used[row]]
+                    assert list(chosen) == sorted(chosen) and (chosen > 0).all()
+                    assert (positions[row][used[row]:] == 0).all()  # first 0 ends the list
+                    assert (labels[row][used[row]:] == 0).all()
+                    first_sep = int(np.argmax(segments[row])) - 1
+                    assert not {0, first_sep, lengths[row] - 1} & set(chosen.tolist())
 
 
 def test_same_seed_same_bytes_with_1_2_or_3_workers(corpus, tmp_path: Path) -> None:
@@ -128,12 +143,12 @@ def test_killed_run_resumes_to_the_same_output(corpus, tmp_path: Path) -> None:
                              "--vocab", str(vocab), "--shards", "6", "--dupe-factor", "2",
                              "--workers", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and len(list(partial.glob("records/*.json"))) < 2:
-        time.sleep(0.01)
+    while time.monotonic() < deadline and not list(partial.glob("records/shard_*.json")):
+        time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    done_before = len(list(partial.glob("records/*.json")))
-    assert 0 < done_before < 6 or done_before == 6  # killed somewhere along the way
+    done_before = len(list(partial.glob("records/shard_*.json")))
+    assert 1 <= done_before < 6, f"{done_before} shards done when killed: not mid-way"
     summary = prepare(source, vocab, partial, "--workers", "1")
     assert summary["phases"]["1"]["instances"] > 0
     assert digests(partial) == digests(reference)
@@ -145,17 +160,18 @@ def test_corrupt_shard_is_detected_and_redone(corpus, tmp_path: Path) -> None:
     out = tmp_path / "out"
     prepare(source, vocab, out)
     before = digests(out)
-    victim = out / "phase2" / "shard_00003.hdf5"
+    victim = out / "phase2" / "training_shard_00003.hdf5"
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
-    (out / "phase1" / "shard_00001.hdf5").unlink()
+    (out / "phase1" / "training_shard_00001.hdf5").unlink()
     result = subprocess.run([*PY, "prepare", "--source", str(source), "--output", str(out),
                              "--vocab", str(vocab), "--shards", "6", "--dupe-factor", "2",
                              "--workers", "1"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0
     shards_line = next(json.loads(x) for x in result.stdout.splitlines() if '"shards"' in x)
     assert shards_line["done"] == 2 and shards_line["skipped"] == 4
+    assert shards_line["tokenized"] == 0  # the token store was intact
     assert digests(out) == before
 
 

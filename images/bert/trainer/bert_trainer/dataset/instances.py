@@ -1,22 +1,43 @@
-"""Masked-LM + next-sentence instances, deterministic from the seed, masking vectorized.
+"""Masked-LM + next-sentence instances, as the reference recipe makes them, vectorized.
 
-Pairs follow the reference recipe (FACTS.md): chunks of sentences up to the
-target length (shorter with probability 0.1), split at a random sentence into
-A and B, B taken from a random other document half of the time, the pair
-trimmed to fit.  Masking is done for all instances at once with numpy: 15% of
-the real tokens (at most P), of which 80% become [MASK], 10% a random token
-and 10% stay.  The random stream depends only on (seed, shard, sequence
-length), so any number of workers produces the same bytes.
+The reference recipe (FACTS.md, transcribed in tests/reference_recipe.py): for every
+document, ``dupe_factor`` times, chunks of sentences up to a target length (a random shorter
+one with probability 0.1), each split at a random sentence into A and B; half the time
+(always for a one-sentence chunk) B is replaced by text from a random start in a random
+*other document of the whole corpus* and the unused sentences go back to the pool; the pair
+is trimmed to fit, one token at a time from the front or the back of the longer side.  Then
+``round(0.15 * len(sequence))`` positions ([CLS] and [SEP] counted in the length, never
+chosen), at most P: 80% become [MASK], 10% a random token of the whole vocabulary, 10%
+stay.
+
+Done here in five passes over a shard:
+
+1. ``plan``: the only per-instance Python loop: chunks, the A/B split and the next-sentence
+   draw, from a random stream of the *document* (seed, sequence length, document number), so
+   the pairs, their count and the next-sentence share do not depend on how the corpus was
+   sharded or split between workers.
+2. ``resolve``: random B segments located in whichever shard holds their document.
+3. ``trim``: every pair's trimming in closed form (how many tokens each side loses is
+   fixed by the lengths; how many of those come off the front is binomial).
+4. ``gather``: the foreign B tokens copied next to the shard's own.
+5. ``rows``: sequences assembled and masked a block of rows at a time (bounded memory).
+
+Deliberate differences from the reference, none visible in the statistics: a random B is
+never drawn from the document itself (the reference retries 10 times, then keeps the draw
+and labels the pair "is next"); instance order within a file is a permutation from the
+shard's stream, not one shuffle of the whole corpus held in memory.
 """
 
 from __future__ import annotations
 
+import random
 from bisect import bisect_left
+from collections.abc import Iterator
 from dataclasses import dataclass
-from itertools import accumulate
-from math import comb
 
 import numpy as np
+
+from bert_trainer.dataset.tokens import Corpus, TokenShard
 
 
 @dataclass(frozen=True)
@@ -34,8 +55,7 @@ class Specials:
     cls: int
     sep: int
     mask: int
-    vocab_size: int
-    first_normal: int  # random replacements are drawn from [first_normal, vocab_size)
+    vocab_size: int  # random replacements are drawn from [0, vocab_size), as the reference
 
 
 @dataclass
@@ -52,145 +72,207 @@ class Instances:
     real_tokens: int = 0
 
 
+@dataclass
+class Pairs:
+    """Every instance of a shard as token ranges; ``b_shard`` says whose tokens B are."""
+
+    a_start: np.ndarray  # [N] int64, into the shard's own tokens
+    a_len: np.ndarray
+    b_shard: np.ndarray  # [N] int64
+    b_start: np.ndarray  # into b_shard's tokens
+    b_len: np.ndarray
+    random_next: np.ndarray  # [N] int8
+
+    def __len__(self) -> int:
+        return len(self.a_start)
+
+    def take(self, keep: np.ndarray) -> Pairs:
+        return Pairs(*(getattr(self, name)[keep] for name in self.__dataclass_fields__))
+
+
 def rng_for(seed: int, shard: int, seq_len: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, shard, seq_len])))
 
 
-_BINOMIAL: dict[int, list[float]] = {}
+def document_stream(seed: int, seq_len: int, document: int) -> random.Random:
+    """The stream of one document's decisions: the same whichever shard holds it."""
+    return random.Random(f"bert-pairs:{seed}:{seq_len}:{document}".encode())
 
 
-class Uniforms:
-    """Uniform draws served from blocks: per-call numpy scalars cost microseconds each."""
-
-    BLOCK = 1 << 16
-
-    def __init__(self, rng: np.random.Generator) -> None:
-        self.rng, self.values, self.next = rng, [], 0
-
-    def random(self) -> float:
-        if self.next == len(self.values):
-            self.values, self.next = self.rng.random(self.BLOCK).tolist(), 0
-        value = self.values[self.next]
-        self.next += 1
-        return value
-
-    def integers(self, low: int, high: int) -> int:
-        """An integer in [low, high)."""
-        return low + min(int(self.random() * (high - low)), high - low - 1)
-
-    def heads(self, flips: int) -> int:
-        """How many of ``flips`` fair coins come up heads (one draw, by inverse CDF)."""
-        if flips <= 0:
-            return 0
-        table = _BINOMIAL.get(flips)
-        if table is None:
-            total, running, table = 2.0 ** flips, 0.0, []
-            for k in range(flips + 1):
-                running += comb(flips, k) / total
-                table.append(running)
-            _BINOMIAL[flips] = table
-        return min(bisect_left(table, self.random()), flips)
-
-
-def _trim(a: list[int], b: list[int], limit: int, draws: Uniforms) -> None:
-    """Shorten the longer of A and B one token at a time until they fit, each token from
-    the front or the back at random; computed in closed form.  Ranges change in place."""
-    excess = (a[1] - a[0]) + (b[1] - b[0]) - limit
-    if excess <= 0:
-        return
-    la, lb = a[1] - a[0], b[1] - b[0]
-    longer, shorter = (a, b) if la > lb else (b, a)
-    first = min(excess, abs(la - lb))  # the longer one alone until both are equal
-    rest = excess - first
-    # Then they alternate, starting with B (ties trim B).
-    cut = {id(longer): first, id(shorter): 0}
-    cut[id(b)] += (rest + 1) // 2
-    cut[id(a)] += rest // 2
-    for side in (a, b):
-        removed = cut[id(side)]
-        front = draws.heads(removed)
-        side[0] += front
-        side[1] -= removed - front
-
-
-def make_pairs(documents: list[list[np.ndarray]], params: Params, rng: np.random.Generator
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Token ranges of every instance: A and B as (offset, length) into ``flatten(documents)``,
-    and the next-sentence labels.  No tokens are copied here."""
+def plan(shard: TokenShard, numbers: np.ndarray, corpus_documents: int, params: Params
+         ) -> tuple[list[int], ...]:
+    """Pass 1.  Returns the pairs whose B follows A (a_start, a_len, b_start, b_len) and the
+    random-next ones (a_start, a_len, other document, uniform for its start sentence, tokens
+    wanted in B)."""
     limit = params.max_seq_len - 3
-    # Plain Python ints in the loop: numpy scalars cost ten times more per operation.
-    bounds = [list(accumulate((len(x) for x in d), initial=0)) for d in documents]
-    doc_offsets = list(accumulate((b[-1] for b in bounds), initial=0))
-    a_ranges, b_ranges, labels = [], [], []
-    count = len(documents)
-    draws = Uniforms(rng)
-    for _ in range(params.dupe_factor):
-        for index in range(count):
-            edge = bounds[index]
-            sentences = len(edge) - 1
+    short = params.short_seq_prob
+    sentence_starts = shard.sentences
+    document_starts = shard.documents.tolist()
+    n_a, n_alen, n_b, n_blen = [], [], [], []
+    r_a, r_alen, r_other, r_where, r_wanted = [], [], [], [], []
+    others = corpus_documents - 1
+    for local in range(shard.document_count):
+        first_sentence, end_sentence = document_starts[local], document_starts[local + 1]
+        sentences = end_sentence - first_sentence
+        if sentences == 0:
+            continue
+        edge = sentence_starts[first_sentence:end_sentence + 1].tolist()
+        number = int(numbers[local])
+        draw = document_stream(params.seed, params.max_seq_len, number).random
+        for _ in range(params.dupe_factor):
             target = limit
-            if draws.random() < params.short_seq_prob:
-                target = draws.integers(2, limit + 1)
+            if draw() < short:
+                target = 2 + int(draw() * (limit - 1))  # randint(2, limit)
             first = 0
             while first < sentences:
                 # The chunk ends at the first sentence that brings it to the target length.
                 last = min(bisect_left(edge, edge[first] + target, first + 1) - 1,
                            sentences - 1)
                 chunk = last + 1 - first
-                a_end = first + (1 if chunk < 2 else draws.integers(1, chunk))
-                a = [edge[first], edge[a_end]]
-                random_next = count > 1 and (chunk == 1 or draws.random() < 0.5)
-                if random_next:
-                    other = draws.integers(0, count - 1)
-                    other += other >= index
-                    other_edge = bounds[other]
-                    start = draws.integers(0, len(other_edge) - 1)
-                    wanted = max(1, target - (a[1] - a[0]))
-                    stop = bisect_left(other_edge, other_edge[start] + wanted)
-                    stop = min(max(stop, start + 1), len(other_edge) - 1)
-                    b = [other_edge[start], other_edge[stop]]
-                    b_doc = other
-                    next_first = a_end  # unused sentences go back to the pool
+                a_end = first + (1 if chunk < 2 else 1 + int(draw() * (chunk - 1)))
+                a_start, a_len = edge[first], edge[a_end] - edge[first]
+                if chunk == 1 or draw() < 0.5:
+                    if others:
+                        other = int(draw() * others)
+                        other += other >= number
+                    else:  # a one-document corpus: B from the document itself
+                        other = number
+                    r_a.append(a_start)
+                    r_alen.append(a_len)
+                    r_other.append(other)
+                    r_where.append(draw())
+                    r_wanted.append(max(1, target - a_len))
+                    first = a_end  # the unused sentences go back to the pool
                 else:
-                    b = [edge[a_end], edge[last + 1]]
-                    b_doc = index
-                    next_first = last + 1
-                if a[1] > a[0] and b[1] > b[0]:
-                    _trim(a, b, limit, draws)
-                    a_ranges.append((doc_offsets[index] + a[0], a[1] - a[0]))
-                    b_ranges.append((doc_offsets[b_doc] + b[0], b[1] - b[0]))
-                    labels.append(int(random_next))
-                first = next_first
-    shape = (len(labels), 2)
-    return (np.asarray(a_ranges, np.int64).reshape(shape),
-            np.asarray(b_ranges, np.int64).reshape(shape), np.asarray(labels, np.int8))
+                    n_a.append(a_start)
+                    n_alen.append(a_len)
+                    n_b.append(edge[a_end])
+                    n_blen.append(edge[last + 1] - edge[a_end])
+                    first = last + 1
+    return n_a, n_alen, n_b, n_blen, r_a, r_alen, r_other, r_where, r_wanted
 
 
-def build(documents: list[list[np.ndarray]], params: Params, specials: Specials,
-          rng: np.random.Generator) -> Instances:
-    a_ranges, b_ranges, labels = make_pairs(documents, params, rng)
-    n, s, p = len(labels), params.max_seq_len, params.max_predictions
-    # Every document's tokens end to end, then one 0 that padding gathers.
-    tokens = np.concatenate([x for d in documents for x in d] + [np.zeros(1, np.int32)])
+def resolve(planned: tuple[list[int], ...], corpus: Corpus, single_document: bool) -> Pairs:
+    """Pass 2: random B segments located in their shards (a start sentence, then sentences
+    until the wanted length)."""
+    n_a, n_alen, n_b, n_blen, r_a, r_alen, r_other, r_where, r_wanted = planned
+    other = np.asarray(r_other, np.int64)
+    where = np.asarray(r_where, np.float64)
+    wanted = np.asarray(r_wanted, np.int64)
+    b_shard = np.zeros(len(other), np.int64)
+    b_start = np.zeros(len(other), np.int64)
+    b_len = np.zeros(len(other), np.int64)
+    if len(other):
+        holder = corpus.documents[other]
+        b_shard[:] = holder[:, 0]
+        place = holder[:, 1].astype(np.int64)
+        for index in np.unique(b_shard).tolist():
+            chosen = np.flatnonzero(b_shard == index)
+            source = corpus.shard(index)
+            first = np.asarray(source.documents[place[chosen]], np.int64)
+            end = np.asarray(source.documents[place[chosen] + 1], np.int64)
+            count = end - first
+            usable = count > 0
+            start = first + np.minimum((where[chosen] * count).astype(np.int64),
+                                       np.maximum(count - 1, 0))
+            start = np.where(usable, start, 0)
+            starts_at = np.asarray(source.sentences[start], np.int64)
+            stop = np.searchsorted(source.sentences, starts_at + wanted[chosen], "left")
+            stop = np.clip(stop, start + 1, np.maximum(end, start + 1))
+            b_start[chosen] = starts_at
+            b_len[chosen] = np.where(usable, np.asarray(source.sentences[stop], np.int64)
+                                     - starts_at, 0)
+            del source
+    own = np.full(len(n_a), corpus.own_index, np.int64)
+    random_next = np.zeros(len(n_a) + len(other), np.int8)
+    random_next[len(n_a):] = 0 if single_document else 1
+    pairs = Pairs(np.asarray(n_a + r_a, np.int64), np.asarray(n_alen + r_alen, np.int64),
+                  np.concatenate([own, b_shard]),
+                  np.concatenate([np.asarray(n_b, np.int64), b_start]),
+                  np.concatenate([np.asarray(n_blen, np.int64), b_len]), random_next)
+    return pairs.take((pairs.a_len > 0) & (pairs.b_len > 0))
+
+
+def trim(pairs: Pairs, limit: int, rng: np.random.Generator) -> None:
+    """Pass 3: the reference trims the longer side one token at a time (B when equal), each
+    token from the front or the back with equal chance.  So the longer side alone loses
+    tokens until both are equal, then they alternate starting with B; the tokens taken from
+    the front of a side that loses k are Binomial(k, 1/2)."""
+    excess = np.maximum(pairs.a_len + pairs.b_len - limit, 0)
+    a_longer = pairs.a_len > pairs.b_len
+    alone = np.minimum(excess, np.abs(pairs.a_len - pairs.b_len))
+    rest = excess - alone
+    cut_a = np.where(a_longer, alone, 0) + rest // 2
+    cut_b = np.where(a_longer, 0, alone) + (rest + 1) // 2
+    front_a = rng.binomial(cut_a, 0.5)
+    front_b = rng.binomial(cut_b, 0.5)
+    pairs.a_start += front_a
+    pairs.a_len -= cut_a
+    pairs.b_start += front_b
+    pairs.b_len -= cut_b
+
+
+def gather(pairs: Pairs, corpus: Corpus) -> np.ndarray:
+    """Pass 4: the shard's own tokens, then every foreign B (its ``b_start`` now points
+    there), then one 0 that padding gathers."""
+    own = corpus.own.tokens
+    parts = [np.asarray(own, np.int32)]
+    offset = len(own)
+    for index in np.unique(pairs.b_shard).tolist():
+        if index == corpus.own_index:
+            continue
+        chosen = np.flatnonzero(pairs.b_shard == index)
+        lengths = pairs.b_len[chosen]
+        total = int(lengths.sum())
+        starts_in_pool = np.cumsum(lengths) - lengths
+        positions = (np.repeat(pairs.b_start[chosen] - starts_in_pool, lengths)
+                     + np.arange(total))
+        source = corpus.shard(index)
+        parts.append(np.asarray(source.tokens[positions], np.int32))
+        del source
+        pairs.b_start[chosen] = offset + starts_in_pool
+        offset += total
+    parts.append(np.zeros(1, np.int32))
+    return np.concatenate(parts)
+
+
+def make_pairs(corpus: Corpus, numbers: np.ndarray, params: Params, rng: np.random.Generator
+               ) -> tuple[Pairs, np.ndarray]:
+    """Passes 1-4: the shard's pairs in a random order, and the tokens they point into."""
+    planned = plan(corpus.own, numbers, corpus.size, params)
+    pairs = resolve(planned, corpus, corpus.size == 1)
+    trim(pairs, params.max_seq_len - 3, rng)
+    pairs = pairs.take(rng.permutation(len(pairs)))
+    return pairs, gather(pairs, corpus)
+
+
+def rows(pairs: Pairs, tokens: np.ndarray, params: Params, specials: Specials,
+         rng: np.random.Generator) -> Instances:
+    """Pass 5 for one block of pairs: sequences, segments, mask and the masked LM."""
+    n, s, p = len(pairs), params.max_seq_len, params.max_predictions
     pad = len(tokens) - 1
-    # One gather fills every row: [CLS] A [SEP] B [SEP] then padding.
     column = np.arange(s)[None, :]
-    la, lb = a_ranges[:, 1:2], b_ranges[:, 1:2]
+    la, lb = pairs.a_len[:, None], pairs.b_len[:, None]
     in_a = (column >= 1) & (column <= la)
     in_b = (column >= la + 2) & (column < la + 2 + lb)
-    source = np.where(in_a, a_ranges[:, 0:1] + column - 1,
-                      np.where(in_b, b_ranges[:, 0:1] + column - la - 2, pad))
+    source = np.full((n, s), pad, np.int64)
+    np.copyto(source, pairs.a_start[:, None] + column - 1, where=in_a)
+    np.copyto(source, pairs.b_start[:, None] + column - la - 2, where=in_b)
     input_ids = tokens[source]
     input_ids[:, 0] = specials.cls
-    rows = np.arange(n)
-    input_ids[rows, 1 + la[:, 0]] = specials.sep
-    input_ids[rows, 2 + la[:, 0] + lb[:, 0]] = specials.sep
+    every = np.arange(n)
+    input_ids[every, 1 + la[:, 0]] = specials.sep
+    input_ids[every, 2 + la[:, 0] + lb[:, 0]] = specials.sep
     segment_ids = ((column >= la + 2) & (column <= la + 2 + lb)).view(np.int8)
     input_mask = (column < la + lb + 3).view(np.int8)
-    candidates = in_a | in_b  # every real token; [CLS] and [SEP] are never masked
+    candidates = in_a | in_b  # [CLS] and [SEP] are never chosen
     real = (la + lb)[:, 0]
-    to_predict = np.minimum(p, np.maximum(1, np.rint(real * params.masked_lm_prob))).astype(int)
-    keys = rng.random((n, s))
+    # The reference counts the whole sequence, [CLS] and both [SEP] included (round half
+    # to even, as Python's round), then picks among the real tokens.
+    to_predict = np.minimum(np.minimum(p, real),
+                            np.maximum(1, np.rint((real + 3) * params.masked_lm_prob)))
+    to_predict = to_predict.astype(np.int64)
+    keys = rng.random((n, s), dtype=np.float32)
     keys[~candidates] = 2.0  # never chosen
     # The to_predict smallest keys mark the masked positions: a partition finds the p
     # smallest of each row, and only those p are sorted.
@@ -199,20 +281,27 @@ def build(documents: list[list[np.ndarray]], params: Params, specials: Specials,
         order = np.take_along_axis(part, np.argsort(np.take_along_axis(keys, part, axis=1),
                                                     axis=1, kind="stable"), axis=1)
     else:
-        order = np.zeros((0, p), int)
+        order = np.zeros((0, p), np.int64)
     valid = np.arange(p)[None, :] < to_predict[:, None]
-    picked = np.where(valid, order, s)  # s sorts after every real position
-    picked = np.sort(picked, axis=1)
+    picked = np.sort(np.where(valid, order, s), axis=1)  # s sorts after every position
     valid = picked < s
     positions = np.where(valid, picked, 0).astype(np.int32)
-    rows = np.arange(n)[:, None]
-    originals = np.where(valid, input_ids[rows, np.minimum(positions, s - 1)], 0).astype(np.int32)
-    decision = rng.random((n, p))
-    replacement = rng.integers(specials.first_normal, specials.vocab_size, (n, p), dtype=np.int32)
+    at = every[:, None]
+    originals = np.where(valid, input_ids[at, np.minimum(positions, s - 1)], 0).astype(np.int32)
+    decision = rng.random((n, p), dtype=np.float32)
+    replacement = rng.integers(0, specials.vocab_size, (n, p), dtype=np.int32)
     as_mask = valid & (decision < 0.8)
     as_random = valid & (decision >= 0.9)
     new_values = np.where(as_mask, specials.mask, np.where(as_random, replacement, originals))
-    flat_rows = np.broadcast_to(rows, positions.shape)[valid]
+    flat_rows = np.broadcast_to(at, positions.shape)[valid]
     input_ids[flat_rows, positions[valid]] = new_values[valid]
-    return Instances(input_ids, input_mask, segment_ids, positions, originals, labels,
-                     int(valid.sum()), int(as_mask.sum()), int(as_random.sum()), int(real.sum()))
+    return Instances(input_ids.astype(np.int32, copy=False), input_mask, segment_ids,
+                     positions, originals, pairs.random_next.copy(), int(valid.sum()),
+                     int(as_mask.sum()), int(as_random.sum()), int(real.sum()))
+
+
+def blocks(pairs: Pairs, tokens: np.ndarray, params: Params, specials: Specials,
+           rng: np.random.Generator, block_rows: int) -> Iterator[Instances]:
+    for start in range(0, len(pairs), block_rows):
+        chosen = np.arange(start, min(start + block_rows, len(pairs)))
+        yield rows(pairs.take(chosen), tokens, params, specials, rng)
