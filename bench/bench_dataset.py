@@ -1,171 +1,142 @@
-"""Instance creation throughput (MB of text per second per core) against a pure-Python,
-token-by-token implementation of the same recipe, measured in one run on one core.
+"""Dataset preparation per core against the reference recipe, side by side on the same text.
 
-Both sides tokenize with the same WordPiece tokenizer (tokenizers), then build
-phase-1 instances (128 tokens, 20 predictions, duplicate factor 5): the
-baseline with Python lists and the random module, one token at a time, as the
-widely used reference script does; imgpipe with bert_trainer.dataset.instances.
+The corpus: English prose from this machine's /usr/share/doc and common-licenses
+(bench/corpus.py), at two sizes; one WordPiece vocabulary (30,522 words) trained on it.
+The baseline is the reference recipe transcribed to plain Python (tests/reference_recipe.py:
+its own tokenizer, one random stream, everything in memory, gzip HDF5), run as users run
+the reference script: one process per phase (128/20, then 512/80), each reading imgpipe's
+text shards (one sentence a line).  imgpipe runs ``prepare`` whole (sentence splitting,
+tokenizing, both phases, writing) on one core too: one worker, the tokenizer's threads off
+(``TOKENIZERS_PARALLELISM=false``).
 
-    .venv/bin/python bench/bench_dataset.py [--megabytes 4]
+Per core = text megabytes / CPU seconds (user + system of every process of the run): both
+sides single-threaded, so that is also their wall time on one core.  Peak RSS: the largest
+process (VmHWM).  Size: imgpipe's files against the same instances written in the
+reference's format (gzip level 4, h5py's chunks).
+
+    .venv/bin/python bench/bench_dataset.py [--sizes 5,50]
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
-import random
+import json
+import os
+import resource
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parent.parent
+TRAINER = ROOT / "images" / "bert" / "trainer"
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "images" / "bert" / "trainer"))
+sys.path.insert(0, str(TRAINER))
 
-from bert_trainer.dataset.instances import Params, Specials, build, rng_for  # noqa: E402
-from bert_trainer.dataset.prepare import main as dataset_main  # noqa: E402
-from bert_trainer.dataset.text import split_sentences  # noqa: E402
+from bench.corpus import assemble  # noqa: E402
 
-from tests.test_dataset import make_corpus  # noqa: E402
+ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{TRAINER}",
+       "TOKENIZERS_PARALLELISM": "false"}
+PHASES = {1: (128, 20), 2: (512, 80)}
 
+REFERENCE_RUN = """
+import json, sys
+from pathlib import Path
+from tests import reference_recipe
+from bert_trainer.dataset.prepare import peak_rss_mb
+shards = sorted(Path(sys.argv[1]).glob("shard_*.txt"))
+count = reference_recipe.prepare(shards, Path(sys.argv[2]), Path(sys.argv[3]),
+                                 int(sys.argv[4]), int(sys.argv[5]))
+print(json.dumps({"instances": count, "peak_rss_mb": peak_rss_mb()}))
+"""
 
-def baseline_instances(documents: list[list[list[int]]], params: Params, specials: Specials,
-                       rng: random.Random) -> list[dict]:
-    """The reference recipe, token by token, in plain Python."""
-    limit = params.max_seq_len - 3
-    out = []
-    for _ in range(params.dupe_factor):
-        for index, document in enumerate(documents):
-            target = limit if rng.random() >= params.short_seq_prob else rng.randint(2, limit)
-            chunk, length, i = [], 0, 0
-            while i < len(document):
-                chunk.append(document[i])
-                length += len(document[i])
-                if i == len(document) - 1 or length >= target:
-                    a_end = 1 if len(chunk) < 2 else rng.randint(1, len(chunk) - 1)
-                    tokens_a = [t for s in chunk[:a_end] for t in s]
-                    tokens_b = []
-                    random_next = len(documents) > 1 and (len(chunk) == 1 or rng.random() < 0.5)
-                    if random_next:
-                        other = rng.randint(0, len(documents) - 2)
-                        other += other >= index
-                        source = documents[other]
-                        for sentence in source[rng.randint(0, len(source) - 1):]:
-                            tokens_b.extend(sentence)
-                            if len(tokens_b) >= target - len(tokens_a):
-                                break
-                        i -= len(chunk) - a_end
-                    else:
-                        tokens_b = [t for s in chunk[a_end:] for t in s]
-                    while len(tokens_a) + len(tokens_b) > limit:
-                        longer = tokens_a if len(tokens_a) > len(tokens_b) else tokens_b
-                        if rng.random() < 0.5:
-                            del longer[0]
-                        else:
-                            longer.pop()
-                    if tokens_a and tokens_b:
-                        tokens = [specials.cls, *tokens_a, specials.sep, *tokens_b, specials.sep]
-                        segments = [0] * (len(tokens_a) + 2) + [1] * (len(tokens_b) + 1)
-                        candidates = [k for k, t in enumerate(tokens)
-                                      if t not in (specials.cls, specials.sep)]
-                        rng.shuffle(candidates)
-                        count = min(params.max_predictions,
-                                    max(1, round(len(candidates) * params.masked_lm_prob)))
-                        positions, labels = [], []
-                        for k in sorted(candidates[:count]):
-                            labels.append(tokens[k])
-                            positions.append(k)
-                            r = rng.random()
-                            if r < 0.8:
-                                tokens[k] = specials.mask
-                            elif r >= 0.9:
-                                tokens[k] = rng.randint(specials.first_normal,
-                                                        specials.vocab_size - 1)
-                        pad = params.max_seq_len - len(tokens)
-                        out.append({"input_ids": tokens + [0] * pad,
-                                    "input_mask": [1] * len(tokens) + [0] * pad,
-                                    "segment_ids": segments + [0] * pad,
-                                    "masked_lm_positions": positions + [0] * (
-                                        params.max_predictions - len(positions)),
-                                    "masked_lm_ids": labels + [0] * (
-                                        params.max_predictions - len(labels)),
-                                    "next_sentence_labels": int(random_next)})
-                    chunk, length = [], 0
-                i += 1
-    return out
+REFORMAT = """
+import sys
+from pathlib import Path
+import h5py, numpy as np
+from tests import reference_recipe
+files = sorted(Path(sys.argv[1]).glob("*.hdf5"))
+arrays = {k: np.concatenate([h5py.File(f)[k][()] for f in files]) for k in reference_recipe.DTYPES}
+reference_recipe.write_hdf5(arrays, Path(sys.argv[2]))
+"""
 
 
-def run(megabytes: float) -> None:
-    from tokenizers import BertWordPieceTokenizer
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
-    with tempfile.TemporaryDirectory(prefix="imgpipe-bench-") as tmp:
-        root = Path(tmp)
-        files = max(1, int(megabytes * 4))
-        source = make_corpus(root / "src", files=files, documents=40)
-        size_mb = sum(p.stat().st_size for p in source.glob("*.txt")) / 1e6
-        vocab = root / "vocab.txt"
-        dataset_main(["train-vocab", "--source", str(source), "--output", str(vocab),
-                      "--vocab-size", "2000"])
-        tokenizer = BertWordPieceTokenizer(str(vocab), lowercase=True)
-        documents = []
-        for path in sorted(source.glob("*.txt")):
-            for block in path.read_text().split("\n\n"):
-                sentences = split_sentences(" ".join(block.split()))
-                if sentences:
-                    documents.append(sentences)
-        ids = {t: tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]", "[MASK]", "[UNK]")}
-        specials = Specials(ids["[CLS]"], ids["[SEP]"], ids["[MASK]"],
-                            tokenizer.get_vocab_size(), max(ids.values()) + 1)
-        params = Params(128, 20)
 
-        def tokenized() -> list[list[list[int]]]:
-            flat = [s for d in documents for s in d]
-            encoded = iter(tokenizer.encode_batch(flat, add_special_tokens=False))
-            return [[next(encoded).ids for _ in d] for d in documents]
+def timed(argv: list[str]) -> tuple[float, float, str]:
+    """(CPU seconds, wall seconds, stdout) of one command and all its processes."""
+    cpu, wall = children_cpu(), time.perf_counter()
+    result = subprocess.run(argv, capture_output=True, text=True, env=ENV, check=False)
+    if result.returncode:
+        raise SystemExit(f"{argv[:4]} failed:\n{result.stderr[-3000:]}")
+    return children_cpu() - cpu, time.perf_counter() - wall, result.stdout
 
-        started = time.perf_counter()
-        base_docs = tokenized()
-        tokenize_s = time.perf_counter() - started
-        ours_docs = [[np.asarray(s, np.int32) for s in d] for d in tokenized()]
 
-        def best(make) -> tuple[float, object]:
-            """Best of three, each after a collection, nothing of a previous run kept alive:
-            the baseline's millions of Python objects would otherwise slow whatever runs
-            next through the garbage collector."""
-            times, result = [], None
-            for _ in range(3):
-                result = None
-                gc.collect()
-                started = time.perf_counter()
-                result = make()
-                times.append(time.perf_counter() - started)
-            return min(times), result
-
-        baseline_s, made = best(lambda: baseline_instances(base_docs, params, specials,
-                                                           random.Random(12345)))
-        made_count = len(made)
-        del made
-        ours_s, ours = best(lambda: build(ours_docs, params, specials,
-                                          rng_for(12345, 0, 128)))
-    print(f"\ntext: {size_mb:.1f} MB, {len(documents)} documents; "
-          f"instances: baseline {made_count}, imgpipe {ours.input_ids.shape[0]}", file=sys.stderr)
-    print(f"tokenizing (the same for both):         {tokenize_s:7.2f} s  "
-          f"{size_mb / tokenize_s:6.2f} MB/s/core", file=sys.stderr)
-    print("instance creation:", file=sys.stderr)
-    print(f"  baseline (pure Python, token by token): {baseline_s:7.2f} s  "
-          f"{size_mb / baseline_s:6.2f} MB/s/core", file=sys.stderr)
-    print(f"  imgpipe  (token ranges, numpy gathers): {ours_s:7.2f} s  "
-          f"{size_mb / ours_s:6.2f} MB/s/core", file=sys.stderr)
-    print(f"  ratio: {baseline_s / ours_s:.1f}x", file=sys.stderr)
-    print(f"end to end (tokenize + create): baseline {size_mb / (tokenize_s + baseline_s):.2f}"
-          f", imgpipe {size_mb / (tokenize_s + ours_s):.2f} MB/s/core, ratio "
-          f"{(tokenize_s + baseline_s) / (tokenize_s + ours_s):.1f}x", file=sys.stderr)
+def run(sizes: list[float], work: Path) -> None:
+    py = sys.executable
+    vocab = work / "vocab.txt"
+    corpora = {}
+    for size in sizes:
+        corpora[size] = work / f"corpus-{size:g}MB"
+        made = assemble(corpora[size], size)
+        print(f"corpus {size:g} MB: {made['bytes'] / 1e6:.1f} MB, "
+              f"{made['distinct_bytes'] / 1e6:.1f} MB distinct", file=sys.stderr)
+    subprocess.run([py, "-m", "bert_trainer.dataset", "train-vocab", "--source",
+                    str(corpora[max(sizes)]), "--output", str(vocab)], env=ENV, check=True,
+                   capture_output=True)
+    rows = []
+    for size in sizes:
+        out = work / f"imgpipe-{size:g}"
+        cpu, wall, stdout = timed([py, "-m", "bert_trainer.dataset", "prepare", "--source",
+                                   str(corpora[size]), "--output", str(out), "--vocab",
+                                   str(vocab), "--workers", "1"])
+        summary = json.loads(stdout.strip().splitlines()[-1])
+        megabytes = summary["text_bytes"] / 1e6
+        ref_cpu = ref_wall = 0.0
+        ref_peak = 0.0
+        ref_instances, ref_bytes, reformatted = {}, 0, 0
+        for phase, (seq, pred) in PHASES.items():
+            target = work / f"reference-{size:g}-phase{phase}.hdf5"
+            c, w, stdout = timed([py, "-c", REFERENCE_RUN, str(out / "text"), str(vocab),
+                                  str(target), str(seq), str(pred)])
+            made = json.loads(stdout)
+            ref_cpu, ref_wall = ref_cpu + c, ref_wall + w
+            ref_peak = max(ref_peak, made["peak_rss_mb"])
+            ref_instances[str(phase)] = made["instances"]
+            ref_bytes += target.stat().st_size
+            target.unlink()
+            same = work / f"same-{size:g}-{phase}.hdf5"
+            subprocess.run([py, "-c", REFORMAT, str(out / f"phase{phase}"), str(same)],
+                           env=ENV, check=True)
+            reformatted += same.stat().st_size
+            same.unlink()
+        ours_bytes = sum(p["bytes"] for p in summary["phases"].values())
+        rows.append((size, megabytes, cpu, wall, summary, ref_cpu, ref_wall, ref_peak,
+                     ref_instances, ref_bytes, reformatted, ours_bytes))
+    print("\n| text | reference MB/s/core | imgpipe MB/s/core | ratio | wall ref / imgpipe "
+          "| peak RSS ref / imgpipe | instances p1, p2 ref / imgpipe | output ref / imgpipe "
+          "/ same instances in ref format |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (_size, mb, cpu, wall, summary, ref_cpu, ref_wall, ref_peak, ref_inst, ref_bytes,
+         reformatted, ours_bytes) in rows:
+        ours_inst = [summary["phases"][p]["instances"] for p in ("1", "2")]
+        print(f"| {mb:.1f} MB | {mb / ref_cpu:.3f} | {mb / cpu:.2f} | {ref_cpu / cpu:.1f}x "
+              f"| {ref_wall:.0f} s / {wall:.1f} s | {ref_peak:.0f} / "
+              f"{summary['peak_rss_mb']:.0f} MiB | {ref_inst['1']}, {ref_inst['2']} / "
+              f"{ours_inst[0]}, {ours_inst[1]} | {ref_bytes / 1e6:.1f} / {ours_bytes / 1e6:.1f}"
+              f" / {reformatted / 1e6:.1f} MB ({ours_bytes / reformatted:.2f}) |")
+    print(f"\nimgpipe per stage at {rows[-1][1]:.0f} MB (seconds, summed over workers): "
+          f"text {rows[-1][4]['text_s']}, tokens {rows[-1][4]['tokenize_s']}, "
+          + ", ".join(f"phase {p} {s['seconds']}" for p, s in rows[-1][4]["phases"].items()))
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--megabytes", type=float, default=4.0)
-    run(parser.parse_args().megabytes)
+    parser.add_argument("--sizes", default="5,50", help="corpus sizes in MB, comma-separated")
+    sizes = [float(x) for x in parser.parse_args().sizes.split(",")]
+    with tempfile.TemporaryDirectory(prefix="imgpipe-bench-dataset-") as tmp:
+        run(sizes, Path(tmp))
