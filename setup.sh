@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Fresh-machine setup for imgpipe, idempotent.  Debian 12, as root.
 #
-#   ./setup.sh demo   install, start the engine and the local registry, build the bert
-#                     image (cpu flavor, offline-capable), self-test it, push it, show
-#                     `imgpipe registry status` (outputs under ./build, lock in ./imgpipe.lock)
+#   ./setup.sh demo   install, then the whole BERT workflow on this machine: build, self-test,
+#                     push and convert the bert image (cpu flavor, offline-capable), a local
+#                     Slurm sandbox (head + 2 compute hosts), dataset.sub, run.sub phase 1
+#                     and 2, nccl.sub in containers, and a report (outputs under ./build,
+#                     lock in ./imgpipe.lock).  Idempotent.  `./setup.sh demo --down` stops
+#                     the sandbox and the registry.
 #   ./setup.sh test   install, then run the whole test suite (the tests start and
 #                     stop the engine and registries they need)
 #   ./setup.sh        install only
@@ -21,6 +24,7 @@ PACKAGES=(
   slurm-wlm munge iproute2           # the multi-host sandbox Slurm (network namespaces)
   charliecloud-runtime squashfuse fuse3   # ch-run: jobs in containers from squashfs files
   shellcheck curl ca-certificates util-linux
+  chromium                           # headless: the report page's test
   python3 python3-venv python3-pip
   g++ python3-dev                    # torch.compile's CPU backend (the trainer's compile test)
 )
@@ -81,19 +85,7 @@ case "$mode" in
     exec .venv/bin/python -m pytest "${@:2}"
     ;;
   demo)
-    start_engine
-    imgpipe=.venv/bin/imgpipe
-    "$imgpipe" registry up
-    # The cpu flavor's base, made by debootstrap: nothing is pulled from a public registry.
-    "$imgpipe" base-image --tag imgpipe/debian-python:bookworm
-    # A CPU torch wheel kept on disk (pip's find-links) keeps the build offline-capable.
-    wheels=()
-    for dir in ${IMGPIPE_WHEELS:-} /opt/wheels; do
-      if compgen -G "$dir/torch-*.whl" >/dev/null; then wheels=(--wheels "$dir"); break; fi
-    done
-    "$imgpipe" build bert --flavor cpu "${wheels[@]}"
-    "$imgpipe" selftest bert --flavor cpu
-    "$imgpipe" push bert
-    "$imgpipe" registry status
+    if [ "${2:-}" != "--down" ]; then start_engine; fi
+    exec .venv/bin/python -m imgpipe.pipeline.demo "${@:2}"
     ;;
 esac

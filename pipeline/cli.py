@@ -104,11 +104,15 @@ def _register_subcommands() -> None:
     from imgpipe.pipeline.cli_nccl import nccl
     from imgpipe.pipeline.cli_recipes import recipes
     from imgpipe.pipeline.cli_registry import registry
+    from imgpipe.pipeline.cli_report import report
+    from imgpipe.pipeline.cli_sandbox import sandbox
 
     cli.add_command(registry)
     cli.add_command(recipes)
     cli.add_command(nccl)
     cli.add_command(cache)
+    cli.add_command(sandbox)
+    cli.add_command(report)
     for command in [*cli_build.COMMANDS, *cli_convert.COMMANDS]:
         cli.add_command(command)
 

@@ -1,0 +1,46 @@
+"""`imgpipe report RESULTS_DIR`: plots and one HTML page of a BERT workflow's results."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from imgpipe.pipeline.clikit import CONTEXT, reporting, settings_of
+from imgpipe.pipeline.output import Result
+
+
+@click.command(name="report", context_settings=CONTEXT)
+@click.argument("results_dir", type=click.Path(path_type=Path))
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
+              help="Folder for the plots and index.html [default: RESULTS_DIR/report].")
+@click.option("--profile", "profile_name", default="local", show_default=True,
+              help="Cluster profile whose bus bandwidth the NCCL plot and verdict expect.")
+@reporting
+def report(ctx: click.Context, results_dir: Path, output: Path | None,
+           profile_name: str) -> Result:
+    """Training loss, MLM accuracy and throughput against step for both phases, NCCL bus
+    bandwidth against message size with the expected level, as PNGs and one
+    self-contained index.html (with the job table and pinned digests when the workflow
+    left a workflow.json).
+
+    \b
+    Examples:
+      imgpipe report /lustre/bert/results
+      imgpipe report build/demo/results -o /tmp/report --profile dgxa100
+    """
+    from imgpipe.recipes.profiles import load_profile
+    from imgpipe.recipes.report import write_report
+
+    settings = settings_of(ctx)
+    folder = settings.recipes.profiles_dir
+    profile = load_profile(profile_name, settings.path(folder) if folder else None)
+    made = write_report(results_dir, output, profile.busbw_gbs)
+    lines = [f"report: {made['report']}"] + [f"  plot: {p}" for p in made["plots"]]
+    for phase, numbers in made["summary"].items():
+        if phase.startswith("phase"):
+            lines.append(f"  {phase}: {numbers['steps']} steps, loss {numbers['first_loss']}"
+                         f" -> {numbers['final_loss']}")
+    if "nccl" in made["summary"]:
+        lines.append(f"  nccl: {made['summary']['nccl']['line']}")
+    return Result(made, lines)

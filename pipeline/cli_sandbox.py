@@ -1,0 +1,135 @@
+"""`imgpipe sandbox up|down|status`: a head node and compute nodes on this machine.
+
+The same cluster the tests run recipes on (``imgpipe.recipes.sandbox``): each host a network
+namespace with its own name and address, slurmctld on ``head``, one slurmd per ``nodeN``.
+Users submit from the head host, as on a login node:
+
+    imgpipe sandbox up
+    imgpipe sandbox run -- sbatch -N2 build/recipes/dataset.sub
+    imgpipe sandbox down
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+
+import click
+
+from imgpipe.pipeline.clikit import CONTEXT, reporting, settings_of
+from imgpipe.pipeline.output import Result
+from imgpipe.recipes.sandbox import Sandbox, SandboxSpec
+
+DEFAULT_SUBNET = "10.213.7"
+
+
+def _sandbox(ctx: click.Context, nodes: int = 2, subnet: str = DEFAULT_SUBNET,
+             cpus: int | None = None) -> Sandbox:
+    settings = settings_of(ctx)
+    root = settings.path(settings.outputs.state_dir) / "sandbox"
+    root.mkdir(parents=True, exist_ok=True)
+    return Sandbox(SandboxSpec(root=root, subnet=subnet, compute_nodes=nodes,
+                               cpus=cpus or max(2, os.cpu_count() or 2)))
+
+
+def _saved(ctx: click.Context) -> Sandbox:
+    """The sandbox as ``up`` made it (its spec is in its state), else the default one."""
+    default = _sandbox(ctx)
+    state = default.status()
+    if not state.get("hosts"):
+        return default
+    nodes = len(state["hosts"]) - 1  # type: ignore[arg-type]
+    subnet = str(state["hosts"][0]["address"]).rsplit(".", 1)[0]  # type: ignore[index]
+    return _sandbox(ctx, nodes=nodes, subnet=subnet)
+
+
+def _lines(sandbox: Sandbox, state: dict) -> list[str]:
+    if not state.get("hosts"):
+        return ["sandbox: down"]
+    lines = [f"sandbox: {'up' if state['up'] else 'broken (run: imgpipe sandbox down)'}"]
+    nodes = state.get("nodes", {})
+    for host in state["hosts"]:
+        role = "slurmctld" if host["name"] == "head" else nodes.get(host["name"], "?")
+        lines.append(f"  {host['name']:<6} {host['address']:<14} {role}")
+    lines.append(f"submit from the head host: imgpipe sandbox run -- sbatch ...  "
+                 f"(or: export SLURM_CONF={sandbox.conf})")
+    return lines
+
+
+@click.group(context_settings=CONTEXT)
+def sandbox() -> None:
+    """A local Slurm cluster to try recipes on before a real one (needs root).
+
+    A head host and compute hosts, each a network namespace with its own hostname and
+    address on a private /24 that never leaves the machine; slurmctld on the head, one
+    slurmd per node, one munged.  State under outputs.state_dir/sandbox.
+
+    \b
+    Examples:
+      imgpipe sandbox up --nodes 2
+      imgpipe recipes render --profile local --nodes 2 --runtime charliecloud -o r
+      imgpipe sandbox run -- sbatch -N2 --ntasks-per-node=1 r/dataset.sub
+      imgpipe sandbox status
+      imgpipe sandbox down
+    """
+
+
+@sandbox.command(name="up", context_settings=CONTEXT)
+@click.option("--nodes", type=click.IntRange(1, 8), default=2, show_default=True,
+              help="Compute hosts (node1..nodeN).")
+@click.option("--subnet", default=DEFAULT_SUBNET, show_default=True, metavar="A.B.C",
+              help="The private /24 (first three octets); refused if any route covers it.")
+@click.option("--cpus", type=click.IntRange(1, 512), default=None,
+              help="CPUs each node offers to Slurm [default: this machine's, at least 2].")
+@reporting
+def up_command(ctx: click.Context, nodes: int, subnet: str, cpus: int | None) -> Result:
+    """Start the cluster and wait until every node is idle (kept if already up)."""
+    cluster = _sandbox(ctx, nodes, subnet, cpus)
+    cluster.up()
+    state = cluster.status()
+    return Result(state, _lines(cluster, state))
+
+
+@sandbox.command(name="down", context_settings=CONTEXT)
+@reporting
+def down_command(ctx: click.Context) -> Result:
+    """Cancel its jobs, stop its daemons, remove its namespaces (safe to repeat)."""
+    cluster = _saved(ctx)
+    cluster.down()
+    return Result({"up": False}, ["sandbox: down"])
+
+
+@sandbox.command(name="status", context_settings=CONTEXT)
+@reporting
+def status_command(ctx: click.Context) -> Result:
+    """Daemons, hosts with their addresses, and each node's Slurm state."""
+    cluster = _saved(ctx)
+    state = cluster.status()
+    return Result(state, _lines(cluster, state), ok=bool(state.get("up")))
+
+
+@sandbox.command(name="run", context_settings={**CONTEXT, "ignore_unknown_options": True})
+@click.option("--user", default=None, help="Run it as this user (as on a login node).")
+@click.option("--host", default="head", show_default=True, help="head or nodeN.")
+@click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.pass_context
+def run_command(ctx: click.Context, user: str | None, host: str, argv: tuple[str, ...]
+                ) -> None:
+    """Run a command on a host of the cluster with its SLURM_CONF (sbatch, squeue, ...);
+    exits with the command's status."""
+    cluster = _saved(ctx)
+    hosts = {h.name: h for h in cluster.spec.hosts}
+    if host not in hosts:
+        raise click.BadParameter(f"{host!r}: one of {', '.join(hosts)}", param_hint="--host")
+    if not cluster.is_up():
+        raise click.UsageError("the sandbox is not up: imgpipe sandbox up")
+    command = cluster.on(hosts[host], list(argv), user)
+    try:
+        code = subprocess.run(command, check=False).returncode
+    except KeyboardInterrupt:
+        code = 130
+    if code:
+        print(f"error: {shlex.join(argv)} exited {code}", file=sys.stderr)
+    ctx.exit(code)

@@ -1,0 +1,299 @@
+"""The main job on this machine: ``./setup.sh demo`` (``python -m imgpipe.pipeline.demo``).
+
+What a team does on a cluster, with the commands a user types, on a local sandbox:
+
+1. ``imgpipe build bert --flavor cpu``, ``imgpipe selftest bert``, ``imgpipe push bert``,
+   ``imgpipe convert bert`` (the squashfs the jobs run);
+2. ``imgpipe sandbox up`` (a head host and two compute hosts);
+3. a corpus of English prose from /usr/share/doc and common-licenses, a WordPiece vocabulary
+   (``train-vocab``) and a small BERT config;
+4. ``imgpipe recipes render --profile local --nodes 2 --runtime charliecloud``, pinned to
+   the squashfs;
+5. ``sbatch dataset.sub``, then ``source config_… && sbatch run.sub`` for phase 1 and
+   phase 2, then ``sbatch nccl.sub`` (BENCH=pytorch: nccl-tests needs CUDA), every job in
+   containers on both compute hosts, watched live (state, step, loss);
+6. ``imgpipe report RESULTS`` and a summary.
+
+Idempotent: a second run builds nothing new (BuildKit's cache), self-tests only a new
+image, converts nothing (the squashfs is kept per digest), and skips the dataset and the
+training phases whose outputs are complete.  ``--down`` stops the sandbox and the registry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from imgpipe.recipes.sandbox import Sandbox, SandboxSpec
+
+ROOT = Path.cwd()
+WORK = ROOT / "build" / "demo"
+STEPS = {1: 160, 2: 40}
+JOB_NAMES = {"dataset.sub": "bert-dataset", "run.sub": "bert-pretrain",
+             "nccl.sub": "nccl-check"}
+
+
+def say(text: str) -> None:
+    print(f"[demo] {text}", flush=True)
+
+
+def imgpipe(*args: str, capture: bool = False) -> dict[str, Any]:
+    """An imgpipe command as a user types it; with ``capture``, its --json data."""
+    argv = [str(Path(sys.executable).parent / "imgpipe"), *args]
+    say("$ " + shlex.join(["imgpipe", *args]))
+    if not capture:
+        subprocess.run(argv, check=True)
+        return {}
+    done = subprocess.run([*argv, "--json"], check=False, capture_output=True, text=True)
+    if done.returncode:
+        sys.stderr.write(done.stderr + done.stdout)
+        raise SystemExit(f"error: imgpipe {' '.join(args)} failed")
+    return json.loads(done.stdout)["data"]
+
+
+def state_path() -> Path:
+    return WORK / "state.json"
+
+
+def load_state() -> dict[str, Any]:
+    try:
+        return json.loads(state_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def save_state(state: dict[str, Any]) -> None:
+    state_path().parent.mkdir(parents=True, exist_ok=True)
+    tmp = state_path().with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=1) + "\n")
+    os.replace(tmp, state_path())
+
+
+def wheels() -> list[str]:
+    for folder in [*os.environ.get("IMGPIPE_WHEELS", "").split(), "/opt/wheels"]:
+        if folder and list(Path(folder).glob("torch-*.whl")):
+            return ["--wheels", folder]
+    return []
+
+
+def images(state: dict[str, Any]) -> dict[str, Any]:
+    imgpipe("registry", "up")
+    imgpipe("base-image", "--tag", "imgpipe/debian-python:bookworm")
+    built = imgpipe("build", "bert", "--flavor", "cpu", *wheels(), capture=True)
+    image_id = str(built["images"][0]["image_id"])
+    if state.get("selftested") != image_id:
+        imgpipe("selftest", "bert", "--flavor", "cpu")
+        state["selftested"] = image_id
+        save_state(state)
+    else:
+        say("self-test: passed before for this very image, skipped")
+    imgpipe("push", "bert")
+    converted = imgpipe("convert", "bert", "--flavor", "cpu", capture=True)
+    return converted
+
+
+def inputs(work: Path) -> tuple[Path, Path, Path]:
+    """Corpus, vocabulary and a small BERT config, made once."""
+    from imgpipe.pipeline.democorpus import assemble
+
+    corpus, vocab, config = work / "corpus", work / "vocab.txt", work / "bert_config.json"
+    if not (corpus / "done").exists():
+        made = assemble(corpus, 2.0)
+        (corpus / "done").write_text(json.dumps(made))
+        say(f"corpus: {made['bytes'] / 1e6:.1f} MB of English prose from /usr/share/doc "
+            f"in {made['files']} files")
+    if not vocab.exists():
+        say("$ python -m bert_trainer.dataset train-vocab --vocab-size 2000")
+        subprocess.run([sys.executable, "-m", "bert_trainer.dataset", "train-vocab",
+                        "--source", str(corpus), "--output", str(vocab), "--vocab-size",
+                        "2000"], check=True, capture_output=True)
+    if not config.exists():
+        size = len(vocab.read_text().splitlines())
+        config.write_text(json.dumps({
+            "vocab_size": size, "hidden_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "intermediate_size": 512,
+            "max_position_embeddings": 512, "type_vocab_size": 2,
+            "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}, indent=1))
+    return corpus, vocab, config
+
+
+@dataclass
+class Job:
+    script: str
+    label: str
+    id: str = ""
+    state: str = "PENDING"
+    nodes: str = ""
+    elapsed: str = ""
+    step: int | None = None
+    loss: float | None = None
+    skipped: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def job_info(cluster: Sandbox, job: Job) -> None:
+    shown = cluster.run(["scontrol", "show", "job", job.id, "-o"], timeout=20).stdout
+    fields = dict(f.split("=", 1) for f in shown.split() if "=" in f)
+    job.state = fields.get("JobState", job.state)
+    job.nodes = fields.get("NodeList", job.nodes)
+    job.elapsed = fields.get("RunTime", job.elapsed)
+
+
+def last_step(results: Path, phase: int) -> tuple[int | None, float | None]:
+    step = loss = None
+    for path in results.glob(f"*/bert_phase{phase}.jsonl"):
+        for line in path.read_text(errors="replace").splitlines()[-5:]:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if event.get("event") == "step":
+                step, loss = event["step"], event["loss"]
+    return step, loss
+
+
+def show(jobs: list[Job]) -> str:
+    parts = []
+    for job in jobs:
+        where = f" on {job.nodes}" if job.nodes and job.nodes != "(null)" else ""
+        progress = f" step {job.step} loss {job.loss:.3f}" if job.step is not None else ""
+        parts.append(f"{job.label}: {job.state}{where}{progress}")
+    return " | ".join(parts)
+
+
+def submit_and_wait(cluster: Sandbox, recipes: Path, jobs_dir: Path, job: Job, all_jobs:
+                    list[Job], results: Path, command: str, phase: int | None) -> None:
+    done = cluster.run(["bash", "-c", command], timeout=60, cwd=jobs_dir)
+    if done.returncode:
+        raise SystemExit(f"error: {command} failed: {done.stderr.strip()}")
+    job.id = done.stdout.strip().split(";")[0]
+    say(f"$ {command.replace(str(recipes) + '/', '')}  -> job {job.id}")
+    last_print = 0.0
+    while True:
+        job_info(cluster, job)
+        if phase:
+            job.step, job.loss = last_step(results, phase)
+        now = time.monotonic()
+        if now - last_print >= 3:
+            say(show(all_jobs))
+            last_print = now
+        if job.state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
+                         "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"):
+            break
+        time.sleep(1)
+    say(show(all_jobs))
+    if job.state != "COMPLETED":
+        log = jobs_dir / f"{JOB_NAMES[job.script]}-{job.id}.out"
+        tail = log.read_text(errors="replace")[-3000:] if log.exists() else "(no log)"
+        raise SystemExit(f"error: {job.label} ended {job.state}; its log {log}:\n{tail}")
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    spec = SandboxSpec(root=ROOT / "build" / "state" / "sandbox", compute_nodes=2,
+                       cpus=max(2, os.cpu_count() or 2))
+    if args.down:
+        Sandbox(spec).down()
+        imgpipe("registry", "down")
+        say("sandbox and registry stopped")
+        return 0
+    state = load_state()
+    converted = images(state)
+    squashfs = Path(converted["squashfs"])
+    work = WORK
+    data, ckpt, results, jobs_dir = (work / "data", work / "checkpoints", work / "results",
+                                     work / "jobs")
+    for folder in (data, ckpt, results, jobs_dir):
+        folder.mkdir(parents=True, exist_ok=True)
+    corpus, vocab, config = inputs(work)
+    spec.root.mkdir(parents=True, exist_ok=True)
+    imgpipe("sandbox", "up", "--nodes", "2")
+    cluster = Sandbox(spec)
+    recipes = work / "recipes"
+    config_file = work / "imgpipe-demo.yaml"
+    config_file.write_text(json.dumps({"recipes": {
+        "data_dir": str(data), "checkpoint_dir": str(ckpt), "results_dir": str(results),
+        "dataset_source": str(corpus), "vocab": str(vocab), "bert_config": str(config)}}))
+    rendered = imgpipe("--config", str(config_file), "recipes", "render", "--profile",
+                       "local", "--nodes", "2", "--runtime", "charliecloud", "--image",
+                       str(squashfs), "-o", str(recipes), capture=True)
+    configs = {s["phase"]: recipes / (f"config_{s['nodes']}x{s['gpus_per_node']}x"
+                                      f"{s['per_gpu_batch']}x{s['accumulation']}.sh")
+               for s in rendered["shapes"]}
+    env = "export CHECKPOINT_EVERY=40 PATH=/usr/local/bin:/usr/bin:/bin"
+    jobs = [Job("dataset.sub", "dataset"), Job("run.sub", "phase 1"),
+            Job("run.sub", "phase 2"), Job("nccl.sub", "nccl")]
+    previous = {j["label"]: j for j in state.get("jobs", [])}
+    # 1. the dataset, unless a complete one is there
+    if (data / "summary.json").exists() and "dataset" in previous:
+        jobs[0].__dict__.update({**previous["dataset"], "skipped": True})
+        say("dataset: prepared before (data/summary.json), skipped")
+    else:
+        submit_and_wait(cluster, recipes, jobs_dir, jobs[0], jobs, results,
+                        f"{env} && sbatch --parsable -N2 --ntasks-per-node=1 "
+                        f"{recipes}/dataset.sub", None)
+    # 2. both phases
+    for phase, job in ((1, jobs[1]), (2, jobs[2])):
+        final = ckpt / f"phase{phase}" / f"ckpt_{STEPS[phase]}.pt"
+        if final.exists() and job.label in previous:
+            job.__dict__.update({**previous[job.label], "skipped": True})
+            say(f"{job.label}: trained before ({final.name}), skipped")
+            continue
+        config_sh = configs[phase]
+        submit_and_wait(cluster, recipes, jobs_dir, job, jobs, results,
+                        f"{env} && source {config_sh} && export MAX_STEPS={STEPS[phase]} "
+                        f"&& sbatch --parsable -N$DGXNNODES "
+                        f"--ntasks-per-node=$DGXNGPU {recipes}/run.sub", phase)
+        job.step, job.loss = last_step(results, phase)
+    # 3. the NCCL check (bus bandwidth with PyTorch's all-reduce: nccl-tests needs CUDA)
+    submit_and_wait(cluster, recipes, jobs_dir, jobs[3], jobs, results,
+                    f"{env} && sbatch --parsable -N2 --ntasks-per-node=2 {recipes}/nccl.sub",
+                    None)
+    state["jobs"] = [{k: v for k, v in j.__dict__.items() if k != "skipped"} for j in jobs]
+    save_state(state)
+    pins = {"bert image": str(converted["reference"]), "digest": str(converted["digest"]),
+            "squashfs": str(squashfs)}
+    (results / "workflow.json").write_text(json.dumps({
+        "jobs": [{"name": j.label, "id": j.id, "state": j.state + (" (earlier run)"
+                                                                  if j.skipped else ""),
+                  "nodes": j.nodes, "elapsed": j.elapsed} for j in jobs],
+        "pins": pins}, indent=1))
+    made = imgpipe("report", str(results), capture=True)
+    summary = made["summary"]
+    say("summary")
+    for key, value in pins.items():
+        print(f"  {key:<16} {value}")
+    for job in jobs:
+        again = " (done in an earlier run)" if job.skipped else ""
+        print(f"  {job.label:<16} job {job.id} {job.state} on {job.nodes} in {job.elapsed}"
+              f"{again}")
+    for phase in (1, 2):
+        numbers = summary.get(f"phase{phase}")
+        if numbers:
+            print(f"  phase {phase} loss     {numbers['first_loss']:.3f} -> "
+                  f"{numbers['final_loss']:.3f} in {numbers['steps']} steps")
+    if "nccl" in summary:
+        print(f"  nccl             {summary['nccl']['line']}")
+    print(f"  report           {made['report']}")
+    print(f"  recipes          {recipes}")
+    print(f"  time             {time.monotonic() - started:.0f} s")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="./setup.sh demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--down", action="store_true",
+                        help="stop the sandbox and the registry the demo started")
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

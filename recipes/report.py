@@ -1,0 +1,205 @@
+"""What a BERT workflow's results folder says, as plots and one self-contained HTML page.
+
+Reads what the rendered recipes leave in RESULTSDIR: the trainer's JSON log of every job
+(``<job>-<id>/bert_phase{1,2}.jsonl``), the NCCL check's logs (``nccl-<id>.log``), and, when a
+driver such as ``./setup.sh demo`` wrote one, ``workflow.json`` (the jobs' states and times,
+the pinned image digests and squashfs).  Writes ``RESULTSDIR/report/``: ``loss.png``,
+``mlm_accuracy.png``, ``throughput.png``, ``nccl_busbw.png`` and ``index.html`` with the
+plots inlined (one file to mail or open anywhere).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from imgpipe.pipeline.files import atomic_path
+from imgpipe.recipes.errors import RecipeError
+from imgpipe.recipes.nccl import Run, check, parse, verdict_line
+
+WORKFLOW_FILE = "workflow.json"
+
+
+class ReportError(RecipeError):
+    """The results folder holds nothing to report."""
+
+    code = "report"
+
+
+@dataclass
+class Results:
+    steps: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # phase -> events
+    nccl: list[tuple[Path, Run]] = field(default_factory=list)
+    workflow: dict[str, Any] = field(default_factory=dict)
+
+
+def read_results(folder: Path) -> Results:
+    if not folder.is_dir():
+        raise ReportError(f"results folder {folder} does not exist",
+                          hint="give the RESULTSDIR the recipes wrote to")
+    found = Results()
+    for phase in (1, 2):
+        by_step: dict[int, dict[str, Any]] = {}
+        for path in sorted(folder.glob(f"*/bert_phase{phase}.jsonl")):
+            for line in path.read_text(errors="replace").splitlines():
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(event, dict) and event.get("event") == "step":
+                    by_step[int(event["step"])] = event  # a requeued job repeats steps
+        if by_step:
+            found.steps[phase] = [by_step[s] for s in sorted(by_step)]
+    for path in sorted(folder.glob("nccl-*.log")):
+        runs = [r for r in parse(path.read_text(errors="replace")) if r.rows]
+        if runs:
+            found.nccl.append((path, runs[-1]))
+    workflow = folder / WORKFLOW_FILE
+    if workflow.is_file():
+        try:
+            found.workflow = json.loads(workflow.read_text())
+        except ValueError as exc:
+            raise ReportError(f"{workflow} is not JSON ({exc})") from None
+    if not found.steps and not found.nccl:
+        raise ReportError(f"{folder} holds no trainer log (*/bert_phase1.jsonl) and no NCCL "
+                          "log (nccl-*.log)", hint="give the RESULTSDIR the recipes wrote to")
+    return found
+
+
+def _figure(title: str, ylabel: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 4.2), dpi=100)
+    axes.set_title(title)
+    axes.set_xlabel("step")
+    axes.set_ylabel(ylabel)
+    axes.grid(True, alpha=0.3)
+    return plt, figure, axes
+
+
+def _save(plt: Any, figure: Any, path: Path) -> Path:
+    figure.tight_layout()
+    with atomic_path(path) as tmp:
+        figure.savefig(tmp, format="png")
+    plt.close(figure)
+    return path
+
+
+def plot_metric(results: Results, key: str, title: str, ylabel: str, path: Path) -> Path | None:
+    """``key`` against step, one line per phase; phase 2 continues phase 1's step axis."""
+    if not any(any(key in e for e in events) for events in results.steps.values()):
+        return None
+    plt, figure, axes = _figure(title, ylabel)
+    offset = 0
+    for phase, events in sorted(results.steps.items()):
+        points = [(offset + e["step"], e[key]) for e in events if e.get(key) is not None]
+        if points:
+            axes.plot(*zip(*points, strict=True), marker=".",
+                      label=f"phase {phase} (steps {offset + 1}-{offset + events[-1]['step']})")
+        offset += events[-1]["step"] if events else 0
+    axes.legend()
+    return _save(plt, figure, path)
+
+
+def nccl_expectation(results: Results, default_busbw: float) -> float:
+    return float(results.workflow.get("expected_busbw_gbs") or default_busbw)
+
+
+def _embedded(path: Path) -> str:
+    data = base64.b64encode(path.read_bytes()).decode()
+    return (f'<figure><img alt="{html.escape(path.stem)}" '
+            f'src="data:image/png;base64,{data}"><figcaption>{html.escape(path.name)}'
+            "</figcaption></figure>")
+
+
+def _table(headers: list[str], rows: list[list[Any]], css: str) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>"
+                   for row in rows)
+    return f'<table class="{css}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+STYLE = """body{font-family:sans-serif;margin:2em;max-width:60em}
+table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #bbb;padding:.3em .6em;
+text-align:left}th{background:#eee}img{max-width:100%}.pass{color:#070}.fail{color:#b00}"""
+
+# Marks the page once every plot has decoded (what a headless browser check reads).
+LOADED = """<script>window.addEventListener('load',function(){var i=document.images,n=0;
+for(var k=0;k<i.length;k++){if(i[k].complete&&i[k].naturalWidth>0){n++;}}
+document.body.setAttribute('data-plots-loaded',String(n));});</script>"""
+
+
+def summary_of(results: Results, expected_busbw: float) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    for phase, events in sorted(results.steps.items()):
+        losses = [e["loss"] for e in events if "loss" in e]
+        summary[f"phase{phase}"] = {"steps": events[-1]["step"], "first_loss": losses[0],
+                                    "final_loss": losses[-1],
+                                    "final_mlm_accuracy": events[-1].get("mlm_accuracy")}
+    if results.nccl:
+        path, run = results.nccl[-1]
+        verdict = check([run], expected_busbw)[0]
+        summary["nccl"] = {"log": path.name, "verdict": verdict.status.upper(),
+                           "line": verdict_line(verdict),
+                           "peak_busbw_gbs": round(run.peak_busbw, 3),
+                           "expected_busbw_gbs": expected_busbw}
+    return summary
+
+
+def write_report(folder: Path, output: Path | None = None, expected_busbw: float = 1.0
+                 ) -> dict[str, Any]:
+    """Plots and index.html for the results in ``folder``; returns what the page says."""
+    results = read_results(folder)
+    out = output or folder / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    expected = nccl_expectation(results, expected_busbw)
+    plots = [p for p in (
+        plot_metric(results, "loss", "training loss", "loss", out / "loss.png"),
+        plot_metric(results, "mlm_accuracy", "masked-LM accuracy", "accuracy",
+                    out / "mlm_accuracy.png"),
+        plot_metric(results, "sequences_per_s", "throughput", "sequences/s",
+                    out / "throughput.png")) if p]
+    if results.nccl:
+        from imgpipe.recipes.plot import plot_busbw
+
+        _, run = results.nccl[-1]
+        plots.append(plot_busbw(run, expected, out / "nccl_busbw.png",
+                                f"{run.collective} bus bandwidth"))
+    summary = summary_of(results, expected)
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>imgpipe report: "
+             f"{html.escape(folder.name)}</title><style>{STYLE}</style>{LOADED}</head><body>",
+             f"<h1>BERT workflow: {html.escape(str(folder))}</h1>"]
+    rows = [[f"phase {p[5:]}", s["steps"], s["first_loss"], s["final_loss"],
+             s["final_mlm_accuracy"]] for p, s in summary.items() if p.startswith("phase")]
+    if rows:
+        parts.append("<h2>Training</h2>" + _table(
+            ["phase", "steps", "first loss", "final loss", "final MLM accuracy"], rows,
+            "training"))
+    if "nccl" in summary:
+        n = summary["nccl"]
+        css = "pass" if n["verdict"] == "PASS" else "fail"
+        parts.append(f"<h2>NCCL check</h2><p class='{css}' id='nccl-verdict'>"
+                     f"{html.escape(n['line'])}</p>")
+    jobs = results.workflow.get("jobs", [])
+    if jobs:
+        parts.append("<h2>Jobs</h2>" + _table(
+            ["job", "id", "state", "nodes", "elapsed"],
+            [[j.get("name"), j.get("id"), j.get("state"), j.get("nodes"), j.get("elapsed")]
+             for j in jobs], "jobs"))
+    pins = results.workflow.get("pins", {})
+    if pins:
+        parts.append("<h2>Pinned images</h2>" + _table(
+            ["what", "value"], [[k, v] for k, v in pins.items()], "pins"))
+    parts.append("<h2>Plots</h2>" + "".join(_embedded(p) for p in plots))
+    parts.append("</body></html>\n")
+    page = out / "index.html"
+    with atomic_path(page) as tmp:
+        tmp.write_text("".join(parts))
+    return {"report": str(page), "plots": [str(p) for p in plots], "summary": summary}
