@@ -228,7 +228,8 @@ def run(args: argparse.Namespace) -> int:
     configs = {s["phase"]: recipes / (f"config_{s['nodes']}x{s['gpus_per_node']}x"
                                       f"{s['per_gpu_batch']}x{s['accumulation']}.sh")
                for s in rendered["shapes"]}
-    env = "export CHECKPOINT_EVERY=40 PATH=/usr/local/bin:/usr/bin:/bin"
+    env = ("export USER=${USER:-root} CHECKPOINT_EVERY=40 "
+           "PATH=/usr/local/bin:/usr/bin:/bin")
     jobs = [Job("dataset.sub", "dataset"), Job("run.sub", "phase 1"),
             Job("run.sub", "phase 2"), Job("nccl.sub", "nccl")]
     previous = {j["label"]: j for j in state.get("jobs", [])}
