@@ -23,26 +23,22 @@ from imgpipe.pipeline.output import Result
 from imgpipe.recipes.sandbox import Sandbox, SandboxSpec
 
 DEFAULT_SUBNET = "10.213.7"
+DEFAULT_NAME = "imgp"
 
 
 def _sandbox(ctx: click.Context, nodes: int = 2, subnet: str = DEFAULT_SUBNET,
-             cpus: int | None = None) -> Sandbox:
+             cpus: int | None = None, name: str = DEFAULT_NAME) -> Sandbox:
     settings = settings_of(ctx)
     root = settings.path(settings.outputs.state_dir) / "sandbox"
     root.mkdir(parents=True, exist_ok=True)
-    return Sandbox(SandboxSpec(root=root, subnet=subnet, compute_nodes=nodes,
+    return Sandbox(SandboxSpec(root=root, name=name, subnet=subnet, compute_nodes=nodes,
                                cpus=cpus or max(2, os.cpu_count() or 2)))
 
 
 def _saved(ctx: click.Context) -> Sandbox:
-    """The sandbox as ``up`` made it (its spec is in its state), else the default one."""
+    """The sandbox as ``up`` made it (its spec is kept in its state), else the default one."""
     default = _sandbox(ctx)
-    state = default.status()
-    if not state.get("hosts"):
-        return default
-    nodes = len(state["hosts"]) - 1  # type: ignore[arg-type]
-    subnet = str(state["hosts"][0]["address"]).rsplit(".", 1)[0]  # type: ignore[index]
-    return _sandbox(ctx, nodes=nodes, subnet=subnet)
+    return Sandbox.saved(default.root) or default
 
 
 def _lines(sandbox: Sandbox, state: dict) -> list[str]:
@@ -83,10 +79,13 @@ def sandbox() -> None:
               help="The private /24 (first three octets); refused if any route covers it.")
 @click.option("--cpus", type=click.IntRange(1, 512), default=None,
               help="CPUs each node offers to Slurm [default: this machine's, at least 2].")
+@click.option("--name", default=DEFAULT_NAME, show_default=True,
+              help="Prefix of its namespaces and links (1-6 letters or digits).")
 @reporting
-def up_command(ctx: click.Context, nodes: int, subnet: str, cpus: int | None) -> Result:
+def up_command(ctx: click.Context, nodes: int, subnet: str, cpus: int | None,
+               name: str) -> Result:
     """Start the cluster and wait until every node is idle (kept if already up)."""
-    cluster = _sandbox(ctx, nodes, subnet, cpus)
+    cluster = _sandbox(ctx, nodes, subnet, cpus, name)
     cluster.up()
     state = cluster.status()
     return Result(state, _lines(cluster, state))

@@ -174,6 +174,20 @@ class Sandbox:
     def _state_path(self) -> Path:
         return self.root / STATE_FILE
 
+    @classmethod
+    def saved(cls, root: Path) -> Sandbox | None:
+        """The sandbox whose state is in ``root``, with the spec ``up`` was given."""
+        try:
+            spec = json.loads((root / STATE_FILE).read_text())["spec"]
+            plugstack = spec.get("plugstack")
+            return cls(SandboxSpec(
+                root=Path(spec["root"]), name=spec["name"], subnet=spec["subnet"],
+                compute_nodes=int(spec["compute_nodes"]), cpus=int(spec["cpus"]),
+                gpus=int(spec["gpus"]), memory_mb=int(spec["memory_mb"]),
+                plugstack=Path(plugstack) if plugstack not in (None, "None") else None))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
     def _save(self, state: State) -> None:
         self._state_path().write_text(json.dumps(asdict(state), indent=2) + "\n")
 
