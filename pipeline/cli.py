@@ -20,9 +20,77 @@ from imgpipe.pipeline.errors import ImgpipeError
 from imgpipe.pipeline.output import Invocation, Result, emit_error
 from imgpipe.pipeline.process import Terminated, raise_on_sigterm
 
-__all__ = ["CONTEXT", "cli", "invocation", "main", "reporting", "run", "settings_of"]
+__all__ = ["CONTEXT", "LAZY_COMMANDS", "cli", "invocation", "main", "reporting", "run",
+           "settings_of"]
 
-@click.group(context_settings=CONTEXT)
+# Each command module is imported when its command runs (or its own --help is asked), not
+# for `imgpipe --help`: the build, registry and recipes modules pull in requests, pydantic
+# models, jinja2 and the Docker clients.  The one-line help shown in the command list is
+# kept here; tests/test_cli_startup.py checks it against each command's own.
+LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
+    "plan": ("imgpipe.pipeline.cli_build", "plan",
+        "Say which images need a build and why, without building anything."),
+    "build": ("imgpipe.pipeline.cli_build", "build",
+        "Build the images whose inputs changed (all when none are named) with BuildKit."),
+    "push": ("imgpipe.pipeline.cli_build", "push",
+        "Push what `imgpipe build` built and record the digests in imgpipe.lock."),
+    "selftest": ("imgpipe.pipeline.cli_build", "selftest",
+        "Run the self-test image.yaml names, in a container of the last build (no "
+        "network)."),
+    "mirror": ("imgpipe.pipeline.cli_build", "mirror",
+        "Copy an image (the NGC PyTorch base, say) into the head-node registry."),
+    "ci": ("imgpipe.pipeline.cli_build", "ci",
+        "What CI runs on every merge: plan, build what changed, self-test, push, lock."),
+    "convert": ("imgpipe.pipeline.cli_convert", "convert_command",
+        "Convert an image into a squashfs file in outputs.squashfs_dir, once per digest."),
+    "node-config": ("imgpipe.pipeline.cli_convert", "node_config",
+        "Print what compute nodes need: enroot.conf, plugstack.conf and install lines."),
+    "registry": ("imgpipe.pipeline.cli_registry", "registry",
+        "Run the head node's registry and look after what it holds."),
+    "recipes": ("imgpipe.pipeline.cli_recipes", "recipes",
+        "Slurm recipes (Pyxis srun/sbatch) for BERT training, dataset preparation and "
+        "NCCL checks."),
+    "nccl": ("imgpipe.pipeline.cli_nccl", "nccl",
+        "Cluster validation: read all_reduce_perf logs and judge the fabric."),
+    "cache": ("imgpipe.pipeline.cli_cache", "cache",
+        "The shared squashfs cache (outputs.squashfs_dir): list it, prune it."),
+    "sandbox": ("imgpipe.pipeline.cli_sandbox", "sandbox",
+        "A local Slurm cluster to try recipes on before a real one (needs root)."),
+    "report": ("imgpipe.pipeline.cli_report", "report",
+        "Plots and one HTML page of a BERT workflow's results."),
+}
+
+
+class LazyGroup(click.Group):
+    """A group whose subcommands are imported on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *LAZY_COMMANDS})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in LAZY_COMMANDS and cmd_name not in self.commands:
+            import importlib
+
+            module, attribute, _ = LAZY_COMMANDS[cmd_name]
+            command = getattr(importlib.import_module(module), attribute)
+            self.add_command(command, cmd_name)
+        return super().get_command(ctx, cmd_name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The command list from the table above, without importing the commands."""
+        rows = []
+        width = formatter.width - 6 - max(len(name) for name in self.list_commands(ctx))
+        for name in self.list_commands(ctx):
+            if name in self.commands:
+                rows.append((name, self.commands[name].get_short_help_str(width)))
+            else:
+                stand_in = click.Command(name, help=LAZY_COMMANDS[name][2])
+                rows.append((name, stand_in.get_short_help_str(width)))
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, context_settings=CONTEXT)
 @click.option("--config", "config_path", metavar="FILE", envvar="IMGPIPE_CONFIG",
               help="imgpipe.yaml to use (default: the nearest one above the current "
               "directory, else built-in defaults: registry 127.0.0.1:5000, outputs in ./build).")
@@ -98,26 +166,6 @@ def base_image(ctx: click.Context, tag: str, suite: str, mirror: str, rebuild: b
     return Result({"tag": made, "created": created}, [f"{made}: {verb}"])
 
 
-def _register_subcommands() -> None:
-    from imgpipe.pipeline import cli_build, cli_convert
-    from imgpipe.pipeline.cli_cache import cache
-    from imgpipe.pipeline.cli_nccl import nccl
-    from imgpipe.pipeline.cli_recipes import recipes
-    from imgpipe.pipeline.cli_registry import registry
-    from imgpipe.pipeline.cli_report import report
-    from imgpipe.pipeline.cli_sandbox import sandbox
-
-    cli.add_command(registry)
-    cli.add_command(recipes)
-    cli.add_command(nccl)
-    cli.add_command(cache)
-    cli.add_command(sandbox)
-    cli.add_command(report)
-    for command in [*cli_build.COMMANDS, *cli_convert.COMMANDS]:
-        cli.add_command(command)
-
-
-_register_subcommands()
 
 
 def main(argv: list[str] | None = None) -> int:

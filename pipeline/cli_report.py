@@ -19,7 +19,9 @@ from imgpipe.pipeline.output import Result
 @reporting
 def report(ctx: click.Context, results_dir: Path, output: Path | None,
            profile_name: str) -> Result:
-    """Training loss, MLM accuracy and throughput against step for both phases, NCCL bus
+    """Plots and one HTML page of a BERT workflow's results.
+
+    Training loss, MLM accuracy and throughput against step for both phases, NCCL bus
     bandwidth against message size with the expected level, as PNGs and one
     self-contained index.html (with the job table and pinned digests when the workflow
     left a workflow.json).

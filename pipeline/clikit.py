@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from imgpipe.pipeline.config import Settings, load_settings
 from imgpipe.pipeline.output import Invocation, Result, emit
+
+if TYPE_CHECKING:  # pydantic models: imported when a command first needs its settings
+    from imgpipe.pipeline.config import Settings
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -25,6 +27,8 @@ def invocation(ctx: click.Context) -> Invocation:
 
 def settings_of(ctx: click.Context) -> Settings:
     """Settings for this run, loaded on first use (so --help works with a broken config)."""
+    from imgpipe.pipeline.config import load_settings
+
     inv = invocation(ctx)
     cached = ctx.meta.get("imgpipe.settings")
     if cached is None:
