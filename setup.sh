@@ -82,6 +82,9 @@ make_venv
 case "$mode" in
   install) log "done: .venv/bin/imgpipe --help" ;;
   test)
+    log "ruff check, mypy, then pytest"
+    .venv/bin/ruff check .
+    .venv/bin/python -m mypy
     exec .venv/bin/python -m pytest "${@:2}"
     ;;
   demo)

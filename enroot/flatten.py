@@ -45,7 +45,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, BinaryIO
+from typing import IO, BinaryIO, Protocol, cast
 
 import zstandard
 from isal import igzip
@@ -60,7 +60,8 @@ OPAQUE = ".wh..wh..opq"
 COPY_CHUNK = 1 << 20
 Entry = tuple[int, int]  # (layer index, member index within the layer)
 # What a broken compressed stream raises, by decompressor.
-STREAM_ERRORS = (EOFError, zlib.error, OSError, IsalError, zstandard.ZstdError)
+STREAM_ERRORS: tuple[type[BaseException], ...] = (
+    EOFError, zlib.error, OSError, cast(type[BaseException], IsalError), zstandard.ZstdError)
 
 
 @dataclass
@@ -125,7 +126,7 @@ class _HashingFile(io.RawIOBase):
         self.count += len(data)
         return data
 
-    def readinto(self, buffer) -> int:  # type: ignore[no-untyped-def]
+    def readinto(self, buffer) -> int:
         data = self.read(len(buffer))
         buffer[:len(data)] = data
         return len(data)
@@ -217,8 +218,8 @@ def open_layer(path: Path, verify: bool = True) -> ForwardReader:
     if magic[:2] == b"\x1f\x8b":
         raw: BinaryIO = igzip.IGzipFile(fileobj=compressed, mode="rb")  # type: ignore[assignment]
     elif magic == b"\x28\xb5\x2f\xfd":
-        raw = zstandard.ZstdDecompressor().stream_reader(  # type: ignore[assignment]
-            compressed, read_across_frames=True)
+        raw = zstandard.ZstdDecompressor().stream_reader(
+            compressed, read_across_frames=True)  # type: ignore[arg-type]
     else:
         raw = compressed  # type: ignore[assignment]
     return ForwardReader(raw, handle, compressed)
@@ -265,7 +266,7 @@ def read_members(layer: LayerSource) -> list[tarfile.TarInfo]:
             with tarfile.open(fileobj=raw, mode="r:", errorlevel=2) as tar:
                 members = tar.getmembers()
                 end = tar.offset
-        except (*STREAM_ERRORS, tarfile.ReadError) as exc:
+        except (*STREAM_ERRORS, tarfile.ReadError) as exc:  # type: ignore[misc]
             why = str(exc) or type(exc).__name__
             if not (isinstance(exc, tarfile.ReadError) and "empty file" in why):
                 raise HostileLayerError(layer.digest, "(stream)", "truncated or corrupt layer "
@@ -457,6 +458,13 @@ def _merge_member(merger: _Merger, number: int, index: int, member: tarfile.TarI
                                 f"unsupported entry type {member.type!r}")
 
 
+class Readable(Protocol):
+    """What an entry's bytes come from: a file, a spool, a layer stream."""
+
+    def read(self, size: int = ..., /) -> bytes:
+        ...
+
+
 @dataclass(frozen=True)
 class Item:
     """One entry of the flattened root, in an order where parents come before children."""
@@ -466,7 +474,7 @@ class Item:
     mode: int
     mtime: int
     size: int = 0
-    data: BinaryIO | None = None  # for files: exactly ``size`` bytes to read
+    data: Readable | None = None  # for files: exactly ``size`` bytes to read
     link: str | None = None  # symlink target, or the path a hard link shares bytes with
 
 
@@ -527,11 +535,12 @@ def _layer_items(view: MergedView, number: int, layer: LayerSource, source: Forw
             yield Item(path, "file", mode, int(member.mtime), member.size,
                        _Exact(source, member.size, layer, member))
         elif node.kind == "hardlink":
+            assert node.data is not None  # a hard link always names the entry it shares
             owner = data_owner.get(node.data)
             if owner is not None:
                 yield Item(path, "hardlink", mode, int(member.mtime), link=owner)
             else:
-                spool = kept[node.data]  # type: ignore[index]
+                spool = kept[node.data]
                 size = spool.seek(0, io.SEEK_END)
                 spool.seek(0)
                 yield Item(path, "file", mode, int(member.mtime), size, spool)
@@ -612,7 +621,7 @@ def write_tree(view: MergedView, layers: list[LayerSource], root: Path) -> int:
 class _Exact:
     """Reads of one member's data that fail loudly when the layer ends early."""
 
-    def __init__(self, source: BinaryIO, size: int, layer: LayerSource,
+    def __init__(self, source: Readable, size: int, layer: LayerSource,
                  member: tarfile.TarInfo) -> None:
         self.source, self.left, self.layer, self.member = source, size, layer, member
 
@@ -623,7 +632,7 @@ class _Exact:
         return data
 
 
-def _read_exactly(source: BinaryIO, size: int, layer: LayerSource,
+def _read_exactly(source: Readable, size: int, layer: LayerSource,
                   member: tarfile.TarInfo) -> bytes:
     try:
         data = source.read(size)

@@ -145,7 +145,7 @@ def get(uri: str) -> Path:
     enroot = settings.enroot
     conversion = convert(
         registry_client(settings), storage(settings), ref,
-        SquashOptions(enroot.default_compression, enroot.zstd_level,  # type: ignore[arg-type]
+        SquashOptions(enroot.default_compression, enroot.zstd_level,
                       enroot.processors),
         say=lambda text: print(f"imgpipe: {text}", file=sys.stderr, flush=True))
     if conversion.converted and enroot.cache_max_size:

@@ -80,9 +80,10 @@ def _run_fed(argv: list[str], feed: Callable[[IO[bytes]], object], what: str,
                             stderr=subprocess.PIPE, cwd=cwd, bufsize=PIPE_SIZE,
                             preexec_fn=die_with_parent)
     assert proc.stdin is not None and proc.stderr is not None
+    errors = proc.stderr
     with contextlib.suppress(OSError):  # a smaller pipe still works, only slower
         fcntl.fcntl(proc.stdin.fileno(), F_SETPIPE_SZ, PIPE_SIZE)
-    reader = threading.Thread(target=lambda: stderr_lines.extend(proc.stderr), daemon=True)
+    reader = threading.Thread(target=lambda: stderr_lines.extend(errors), daemon=True)
     reader.start()
     try:
         feed(proc.stdin)

@@ -105,7 +105,7 @@ def entries(storage: Storage) -> list[Entry]:
 
 
 @contextlib.contextmanager
-def _locked_now(storage: Storage, squashfs: Path):  # type: ignore[no-untyped-def]
+def _locked_now(storage: Storage, squashfs: Path):
     """The digest's lock if it is free at once, else None (never waits)."""
     match = SQSH_DIGEST.search(squashfs.name)
     if match is None:

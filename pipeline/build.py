@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from python_on_whales import DockerClient
+from python_on_whales import DockerClient, Image
 from python_on_whales.exceptions import DockerException
 
 from imgpipe.pipeline.engine import BuildClient
@@ -77,6 +77,7 @@ def _build_buildx(client: BuildClient, request: BuildRequest,
             secrets=_secret_specs(request.secrets), load=True, network="host",
             progress="plain", stream_logs=True, cache=request.cache,
         )
+        assert logs is not None and not isinstance(logs, Image)  # stream_logs=True: lines
         for line in logs:
             on_line(line.rstrip("\n"))
         return docker.image.inspect(request.tags[0]).id

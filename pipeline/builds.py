@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -107,7 +108,7 @@ class BaseResolver:
                  registry_for: Callable[[str], RegistryClient]) -> None:
         self.settings = settings
         self.registry_for = registry_for
-        self._engine = None
+        self._engine: Any = None  # the docker SDK's client, made on first use
         self._cache: dict[str, str | None] = {}
 
     def __call__(self, ref: str) -> str | None:

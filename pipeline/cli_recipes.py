@@ -136,7 +136,7 @@ def render(ctx: click.Context, profile_name: str, nodes: int, phase: str, output
         extra[name] = value
     recipes_cfg = settings.recipes
     inputs = RecipeInputs(
-        profile=profile, nodes=nodes, image=pinned, runtime=runtime,  # type: ignore[arg-type]
+        profile=profile, nodes=nodes, image=pinned, runtime=runtime,
         nccl_image=_pin(settings, "nccl-tests", "ngc") if profile.is_gpu else None,
         data_dir=recipes_cfg.data_dir, checkpoint_dir=recipes_cfg.checkpoint_dir,
         results_dir=recipes_cfg.results_dir, dataset_source=recipes_cfg.dataset_source,

@@ -191,9 +191,10 @@ def load_settings(
         if not path.is_file():
             raise ConfigError(f"{path}: no such config file", hint="check --config")
     else:
-        path = find_config(cwd)
-        if path is None:
+        found = find_config(cwd)
+        if found is None:
             return Settings(root=cwd)
+        path = found
     return parse_settings(path)
 
 

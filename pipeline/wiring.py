@@ -40,7 +40,7 @@ def squash_options(settings: Settings, image_choice: str | None = None,
     """Compression: the command line's, else the image's, else the site's."""
     enroot = settings.enroot
     compression = override or image_choice or enroot.default_compression
-    return SquashOptions(compression, enroot.zstd_level, enroot.processors)  # type: ignore[arg-type]
+    return SquashOptions(compression, enroot.zstd_level, enroot.processors)
 
 
 def local_registry(settings: Settings) -> LocalRegistry:

@@ -11,11 +11,22 @@ what one GPU's memory holds at that sequence length.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypedDict
 
 from imgpipe.recipes.errors import ShapeError
 from imgpipe.recipes.profiles import Profile
 
-PHASES = {
+
+class PhaseRecipe(TypedDict):
+    seq_len: int
+    max_pred: int
+    global_batch: int
+    lr: float
+    warmup: float
+    steps: int
+
+
+PHASES: dict[int, PhaseRecipe] = {
     1: {"seq_len": 128, "max_pred": 20, "global_batch": 65536, "lr": 6e-3, "warmup": 0.2843,
         "steps": 7038},
     2: {"seq_len": 512, "max_pred": 80, "global_batch": 32768, "lr": 4e-3, "warmup": 0.128,

@@ -146,6 +146,15 @@ class LocalRegistry:
             self._docker = self._docker_factory()
         return self._docker or None
 
+    def _required_engine(self) -> Any:
+        """The engine a container-mode registry runs on; a clear error when none answers."""
+        engine = self._engine()
+        if engine is None:
+            raise LocalRegistryError("the Docker engine does not answer, and container mode "
+                                     "needs it", hint="start dockerd, or set "
+                                     "registry.server.mode: binary")
+        return engine
+
     def _container(self) -> Any | None:
         import docker.errors
 
@@ -313,7 +322,7 @@ class LocalRegistry:
 
     def _start_container(self) -> None:
         import docker.errors
-        engine = self._engine()
+        engine = self._required_engine()
         atomic_write(self.config_file, self.render_config("container"), mode=0o644)
         volumes = {
             str(self.data_dir): {"bind": CONTAINER_DATA, "mode": "rw"},
@@ -446,7 +455,7 @@ class LocalRegistry:
         if delete_untagged:
             command.append("--delete-untagged")
         try:
-            output = self._engine().containers.run(
+            output = self._required_engine().containers.run(
                 self.config.server.image,
                 command=command,
                 remove=True,
