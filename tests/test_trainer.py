@@ -9,7 +9,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -376,17 +376,21 @@ def test_the_next_shard_is_read_while_the_current_one_is_consumed(tmp_path) -> N
     files = write_shards(tmp_path, shards=3, per_shard=10, seq_len=SEQ, max_pred=PRED,
                          vocab_size=64)
     started: list[int] = []
+    second_started = threading.Event()
 
     class Recording(ShardStream):
         def load(self, index: int, epoch: int):
             started.append(index)
+            if len(started) == 2:
+                second_started.set()
             return super().load(index, epoch)
 
     stream = iter(Recording(files, 0, 1, 7, 5, SEQ, PRED, 64))
-    first = next(stream)  # the first batch of the first shard
-    assert first.position.shard == 0
-    time.sleep(0.5)
-    assert len(started) == 2  # the second shard was already being read
+    first = next(stream)  # the first batch of the first shard (10 rows, batches of 5)
+    assert first.position.shard == 0 and first.position.offset == 5
+    # Nothing more is asked of the stream, yet the next shard's read begins.
+    assert second_started.wait(timeout=30), "the next shard was not read ahead"
+    assert len(started) == 2
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
