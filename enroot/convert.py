@@ -24,7 +24,7 @@ from imgpipe.enroot.errors import (
     HostileLayerError,
     NoSpaceError,
 )
-from imgpipe.enroot.fetch import FetchedImage, fetch_blob_cached, fetch_image
+from imgpipe.enroot.fetch import MAX_CONNECTIONS, FetchedImage, fetch_blob_cached, fetch_image
 from imgpipe.enroot.flatten import LayerCounts, LayerSource, merge, write_stream, write_tree
 from imgpipe.enroot.rcfiles import rc_files
 from imgpipe.enroot.squash import SquashOptions, squash_stream, squash_tree
@@ -75,8 +75,9 @@ def resolve_digest(client: RegistryClient, ref: Reference) -> str:
 def convert(client: RegistryClient, storage: Storage, ref: Reference,
             options: SquashOptions | None = None,
             say: Callable[[str], None] = lambda _: None,
-            with_enroot: bool = False) -> Conversion:
-    """Make sure the squashfs of ``ref`` exists and return where it is.
+            with_enroot: bool = False, connections: int = MAX_CONNECTIONS) -> Conversion:
+    """Make sure the squashfs of ``ref`` exists and return where it is; layers are fetched
+    over ``connections`` parallel requests (enroot.max_connections).
 
     Raises ConvertError (or RegistryError, HostileLayerError) on failure; the
     shared directory then holds no new file.
@@ -108,7 +109,8 @@ def convert(client: RegistryClient, storage: Storage, ref: Reference,
             say(f"removed {removed} leftover(s) of an interrupted conversion")
         if with_enroot:
             return _convert_with_enroot(client, ref, digest, final, options, say, started)
-        return _convert_locked(client, storage, ref, digest, final, options, say, started)
+        return _convert_locked(client, storage, ref, digest, final, options, say, started,
+                               connections)
 
 
 def _convert_with_enroot(client, ref, digest, final, options, say, started) -> Conversion:
@@ -149,7 +151,7 @@ def layer_sources(image: FetchedImage) -> list[LayerSource]:
 
 
 def _convert_locked(client, storage, ref, digest, final, options, say,
-                    started) -> Conversion:
+                    started, connections: int = MAX_CONNECTIONS) -> Conversion:
     fetched_total = [0]
 
     def count(n: int) -> None:
@@ -161,7 +163,8 @@ def _convert_locked(client, storage, ref, digest, final, options, say,
         raise NoSpaceError(storage.root, needed, free)
     say(f"fetch {ref.repository}@{digest[:19]}")
     try:
-        image = fetch_image(client, storage, ref.repository, digest, on_bytes=count)
+        image = fetch_image(client, storage, ref.repository, digest, on_bytes=count,
+                            connections=connections)
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             raise NoSpaceError(storage.root, needed,

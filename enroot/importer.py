@@ -147,7 +147,8 @@ def get(uri: str) -> Path:
         registry_client(settings), storage(settings), ref,
         SquashOptions(enroot.default_compression, enroot.zstd_level,
                       enroot.processors),
-        say=lambda text: print(f"imgpipe: {text}", file=sys.stderr, flush=True))
+        say=lambda text: print(f"imgpipe: {text}", file=sys.stderr, flush=True),
+        connections=enroot.max_connections)
     if conversion.converted and enroot.cache_max_size:
         from imgpipe.enroot.usage import parse_size, prune
 

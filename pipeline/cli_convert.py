@@ -46,7 +46,8 @@ def convert_and_record(settings: Settings, target: str, flavor: str, compression
         ref = Reference.parse(target, default_registry=settings.registry.address)
         options = squash_options(settings, None, compression)
     conversion = convert(registry_client(settings), storage(settings), ref, options,
-                         say=progress.step, with_enroot=with_enroot)
+                         say=progress.step, with_enroot=with_enroot,
+                         connections=settings.enroot.max_connections)
     if conversion.converted and settings.enroot.cache_max_size:
         from imgpipe.enroot.usage import parse_size, prune
 

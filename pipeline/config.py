@@ -120,7 +120,8 @@ class EnrootConfig(_Strict):
                              "use_squashfuse=1 (jobs mount squashfs files, never unpack)")
     zstd_level: int = Field(default=3, ge=1, le=22)
     processors: int = Field(default=0, ge=0, description="0: every core")
-    max_connections: int = Field(default=4, ge=1, le=64)
+    max_connections: int = Field(default=4, ge=1, le=64, description="layers fetched in "
+                                 "parallel by a conversion (Enroot's ENROOT_MAX_CONNECTIONS)")
     cache_max_size: str | None = Field(default=None, description="prune the shared cache "
                                        "to this size (e.g. 500G) after each conversion")
 
