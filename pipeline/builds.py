@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from imgpipe.pipeline.catalog import Image
 from imgpipe.pipeline.config import Settings
@@ -62,7 +62,15 @@ def read_records(settings: Settings) -> dict[str, BuildRecord]:
         return {}
     except ValueError:
         return {}  # a damaged state file only costs a rebuild
-    return {key: BuildRecord.model_validate(value) for key, value in raw.items()}
+    if not isinstance(raw, dict):
+        return {}
+    records = {}
+    for key, value in raw.items():
+        try:
+            records[key] = BuildRecord.model_validate(value)
+        except ValidationError:
+            continue  # written by another imgpipe version: that image is built again
+    return records
 
 
 def write_record(settings: Settings, record: BuildRecord) -> None:

@@ -61,6 +61,10 @@ LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
+PATH_ERRNOS = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR,
+               errno.EROFS, errno.ELOOP, errno.ENAMETOOLONG}
+
+
 class LazyGroup(click.Group):
     """A group whose subcommands are imported on first use."""
 
@@ -185,11 +189,18 @@ def main(argv: list[str] | None = None) -> int:
         print("imgpipe: stopped by SIGTERM; temporary files removed", file=sys.stderr)
         return 143
     except OSError as exc:
-        if exc.errno != errno.ENOSPC:
-            raise  # anything else is a bug: keep its traceback
-        emit_error(inv, "no-space", _no_space(exc), "free space there, or point imgpipe.yaml "
-                   "at a larger file system")
-        return 1
+        if exc.errno == errno.ENOSPC:
+            emit_error(inv, "no-space", _no_space(exc), "free space there, or point "
+                       "imgpipe.yaml at a larger file system")
+            return 1
+        if exc.errno in PATH_ERRNOS and exc.filename is not None:
+            # A path the user gave (or configured) that cannot be used: say which and why.
+            emit_error(inv, "path", f"{exc.filename}: {exc.strerror}",
+                       "check the path and its permissions")
+            if inv.verbose:
+                logging.getLogger("imgpipe").debug("error detail", exc_info=exc)
+            return 1
+        raise  # anything else is a bug: keep its traceback
     except ImgpipeError as exc:
         if not inv.command:
             inv.command = " ".join(a for a in (argv if argv is not None else sys.argv[1:])

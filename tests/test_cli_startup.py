@@ -1,4 +1,5 @@
-"""`imgpipe --help` starts without the heavy modules: command modules load on first use."""
+"""`imgpipe --help` starts without the heavy modules (command modules load on first use), and
+user mistakes met on the way are one line, never a traceback."""
 
 from __future__ import annotations
 
@@ -42,3 +43,28 @@ def test_a_lazy_command_runs_and_its_usage_errors_still_exit_2(cli) -> None:
     assert code == 0, out + err
     code, _, err = cli("build", "--no-such-option")
     assert code == 2 and "no-such-option" in err
+
+
+def test_an_unusable_path_is_a_one_line_error(cli) -> None:
+    code, out, err = cli("recipes", "render", "--profile", "local", "--nodes", "2",
+                         "--image", "/images/bert.sqsh", "-o", "/proc/nope")
+    assert code == 1 and "Traceback" not in err
+    assert err.strip().splitlines() == [
+        "error: /proc/nope: No such file or directory (hint: check the path and its "
+        "permissions)"]
+
+
+def test_a_stale_build_state_file_means_build_again(cli) -> None:
+    """build/state/builds.json from another imgpipe version (other fields): no traceback,
+    the image simply counts as not built here."""
+    import shutil
+    from pathlib import Path
+
+    shutil.copytree(Path(__file__).resolve().parent.parent / "images" / "bert",
+                    cli.folder / "images" / "bert")
+    state = cli.folder / "build" / "state"
+    state.mkdir(parents=True)
+    (state / "builds.json").write_text('{"bert/cpu": {"image_id": 5, "old": true}, "x": []}')
+    code, _, err = cli("push", "bert")
+    assert code == 1 and "Traceback" not in err
+    assert err.strip() == "error: bert has not been built here (hint: imgpipe build bert)"
