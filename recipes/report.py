@@ -128,7 +128,8 @@ def _table(headers: list[str], rows: list[list[Any]], css: str) -> str:
 
 STYLE = """body{font-family:sans-serif;margin:2em;max-width:60em}
 table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #bbb;padding:.3em .6em;
-text-align:left}th{background:#eee}img{max-width:100%}.pass{color:#070}.fail{color:#b00}"""
+text-align:left}th{background:#eee}img{max-width:100%}.pass{color:#070}.fail{color:#b00}
+.pins td{word-break:break-all}"""
 
 # Marks the page once every plot has decoded (what a headless browser check reads).
 LOADED = """<script>window.addEventListener('load',function(){var i=document.images,n=0;

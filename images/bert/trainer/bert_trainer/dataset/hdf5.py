@@ -4,21 +4,22 @@ Datasets are compressed with HDF5's own filters, which every h5py reads without 
 (NVIDIA's ``pretraining_dataset`` included): ``gzip`` (the default, as the reference
 writes) is the byte-shuffle filter then deflate, on chunks of whole rows of about 1 MiB:
 smaller than the reference's unshuffled level-4 deflate on column-shaped chunks.  The
-chunks are shuffled here and deflated by ISA-L (``isal``, several times zlib's speed, the
-same format) and handed to HDF5 as written chunks; ``lzf`` is HDF5's own filter, faster
-and larger; ``none`` is plain contiguous data.
+chunks are shuffled here, deflated (zlib, level 1) and handed to HDF5 as written chunks,
+without HDF5's per-chunk cache copies; ``lzf`` is HDF5's own filter, faster and larger;
+``none`` is plain contiguous data.  (ISA-L deflates faster, but its output for the same
+input was seen to differ between processes: files must be byte-identical when re-made.)
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import zlib
 from collections.abc import Iterable
 from pathlib import Path
 
 import h5py
 import numpy as np
-from isal import isal_zlib
 
 from bert_trainer.dataset.instances import Instances
 
@@ -36,7 +37,7 @@ def chunk_rows(seq_len: int) -> int:
     return max(1, CHUNK_BYTES // (4 * seq_len))
 
 
-DEFLATE_LEVEL = 2  # ISA-L's levels are 0-3
+DEFLATE_LEVEL = 1
 
 
 def _filters(compression: str) -> dict:
@@ -108,7 +109,7 @@ def _deflate_chunks(dataset: h5py.Dataset, block: np.ndarray, first_row: int,
         raw = chunk.view(np.uint8).reshape(-1, width)
         data = np.ascontiguousarray(raw.T).tobytes() if width > 1 else raw.tobytes()
         offset = (first_row + start,) + (0,) * (block.ndim - 1)
-        dataset.id.write_direct_chunk(offset, isal_zlib.compress(data, DEFLATE_LEVEL))
+        dataset.id.write_direct_chunk(offset, zlib.compress(data, DEFLATE_LEVEL))
 
 
 def write(instances: Instances, path: Path, compression: str = "none") -> None:
