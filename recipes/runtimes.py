@@ -72,10 +72,13 @@ launch() {
   mounts+=("$src:$2")
   REPLY=$dst
 }
-# ch-run mounts the squashfs file with squashfuse, as the job's user; the mount points
-# must exist in the image; --join makes the tasks of one node share one container (and
-# one squashfuse mount).  It neither reads /etc/environment nor runs /etc/rc, so the
-# step does both, through a login shell as Enroot does by default.
+# ch-run mounts the squashfs file with squashfuse, as the job's user, in a mount
+# namespace of its own; the mount points must exist in the image.  Every task has its
+# own ch-run and mount: with --join the first task's ch-run served the whole node's mount
+# and unmounted it when its own task ended, and the node's other tasks died of SIGBUS.
+# Tasks still meet through the host's /dev/shm and network (ch-run shares both).
+# It neither reads /etc/environment nor runs /etc/rc, so the step does both, through a
+# login shell as Enroot does by default.
 # shellcheck disable=SC2016  # expanded by the shell inside the container
 enroot_like_start=''' + "'" + ENROOT_LIKE_START + "'" + '''
 # Slurm signals every process of a step (the time-limit warning, SIGUSR1, too): ch-run's
@@ -85,7 +88,7 @@ launch() {
   local binds=() m
   for m in "${mounts[@]}"; do binds+=(-b "$m"); done
   srun "${step[@]}" --kill-on-bad-exit=1 /bin/sh -c 'trap "" USR1; exec ch-run "$@"' ch-run \\
-    --join "${binds[@]}" -c "$WORKDIR" "$CONT" -- /bin/sh -c "$enroot_like_start" sh "$@"
+    "${binds[@]}" -c "$WORKDIR" "$CONT" -- /bin/sh -c "$enroot_like_start" sh "$@"
 }
 ''',
     "host": _HEADER + '''\

@@ -349,7 +349,7 @@ class Sandbox:
         for source, target, fstype, options in _cgroup_mounts():
             lines.append(f"  mkdir -p {target}")
             lines.append(f"  mount -t {fstype} -o {options} {source} {target}")
-        # Node-local scratch, as real nodes have: /dev/shm (where ch-run --join peers meet)
+        # Node-local scratch, as real nodes have: /dev/shm (where a node's tasks meet)
         # and /var/tmp (ch-run's squashfs mount points).  /tmp stays shared, standing in
         # for the cluster file system.
         lines += ["fi",

@@ -92,6 +92,31 @@ def test_recipes_run_in_charliecloud_containers_on_two_nodes_as_a_user(cluster, 
     _pipeline(cluster, "charliecloud", str(bert_cpu["squashfs"]), ALICE, env)
 
 
+def test_a_charliecloud_task_outliving_its_node_peers_still_reads_the_image(cluster, bert_cpu
+                                                                            ) -> None:
+    """Eight tasks of one step on one node: seven exit at once, the last reads the image
+    afterwards.  With ch-run --join the first task's ch-run served everyone's squashfuse
+    mount and unmounted it when its own task ended: the others died of SIGBUS (seen as
+    "task 1: Bus error" at the end of nccl.sub).  Three launches: a shared mount fails
+    each with probability 7/8."""
+    from imgpipe.recipes.runtimes import prelude
+
+    work = shared_folder("imgpipe-outlive-")
+    owned_by(ALICE, work / "jobs")
+    reader = ("import os, time; rank = int(os.environ['SLURM_PROCID']); "
+              "rank == 7 and time.sleep(3); "
+              "import json, email.mime.text, xml.dom.minidom, unittest; print('read', rank)")
+    script = work / "outlive.sub"
+    script.write_text("#!/bin/bash\n#SBATCH --output=%x-%j.out\nset -euo pipefail\n"
+                      f"CONT={shlex.quote(str(bert_cpu['squashfs']))}\n"
+                      f"{prelude('charliecloud')}step=(-N1 -n8)\n"
+                      f"for attempt in 1 2 3; do launch python3 -c {shlex.quote(reader)}; done\n")
+    os.chmod(script, 0o755)
+    users = Submitter(cluster, work, work / "jobs", ALICE, {"PATH": "/usr/local/bin:/usr/bin:/bin"})
+    _, output = users.submit("outlive.sub", None, "-N1", "-n8", timeout=300)
+    assert output.count("read 7") == 3, output[-3000:]
+
+
 def test_recipes_run_on_the_host_runtime_on_two_nodes(cluster) -> None:
     # The host runtime runs what the nodes have installed: this checkout's venv, which only
     # root may execute (it is made from a Python under /root), so these jobs run as root.
