@@ -82,13 +82,14 @@ make_venv
 case "$mode" in
   install) log "done: .venv/bin/imgpipe --help" ;;
   test)
-    log "ruff check, mypy, then pytest"
+    log "ruff check, mypy, import-linter's layer contracts, then pytest"
     .venv/bin/ruff check .
     .venv/bin/python -m mypy
+    .venv/bin/lint-imports --no-cache
     exec .venv/bin/python -m pytest "${@:2}"
     ;;
   demo)
     if [ "${2:-}" != "--down" ]; then start_engine; fi
-    exec .venv/bin/python -m imgpipe.pipeline.demo "${@:2}"
+    exec .venv/bin/python -m imgpipe.commands.demo "${@:2}"
     ;;
 esac

@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from imgpipe.pipeline.cli import main  # noqa: E402
+from imgpipe.cli.main import main  # noqa: E402
 from tests import services  # noqa: E402
 
 

@@ -14,11 +14,11 @@ import sys
 import time
 
 EAGER = ("import importlib\n"
-         "from imgpipe.pipeline.cli import LAZY_COMMANDS, main\n"
+         "from imgpipe.cli.main import LAZY_COMMANDS, main\n"
          "for module, _, _ in LAZY_COMMANDS.values():\n"
          "    importlib.import_module(module)\n"
          "main(['--help'])\n")
-LAZY = "from imgpipe.pipeline.cli import main\nmain(['--help'])\n"
+LAZY = "from imgpipe.cli.main import main\nmain(['--help'])\n"
 
 
 def median_seconds(code: str, runs: int) -> float:

@@ -27,10 +27,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from imgpipe.cli.main import main  # noqa: E402
 from imgpipe.enroot.convert import convert  # noqa: E402
 from imgpipe.enroot.squash import SquashOptions  # noqa: E402
 from imgpipe.enroot.storage import Storage  # noqa: E402
-from imgpipe.pipeline.cli import main  # noqa: E402
 from imgpipe.registry.client import RegistryClient  # noqa: E402
 from imgpipe.registry.reference import Reference  # noqa: E402
 from tests import services  # noqa: E402
@@ -81,7 +81,7 @@ def cli_warm(registry_port: int, ref: str, work: Path) -> float:
     folder = work / "cli"
     folder.mkdir(exist_ok=True)
     (folder / "imgpipe.yaml").write_text(json.dumps({"registry": {"port": registry_port}}))
-    argv = [sys.executable, "-c", "from imgpipe.pipeline.cli import run; run()", "convert", ref,
+    argv = [sys.executable, "-c", "from imgpipe.cli.main import run; run()", "convert", ref,
             "--json"]
     sh(*argv, cwd=folder)
     started = time.perf_counter()

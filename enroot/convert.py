@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from imgpipe.base.files import atomic_path, file_sha256
 from imgpipe.enroot.errors import (
     BlobDigestError,
     ConvertError,
@@ -29,7 +30,6 @@ from imgpipe.enroot.flatten import LayerCounts, LayerSource, merge, write_stream
 from imgpipe.enroot.rcfiles import rc_files
 from imgpipe.enroot.squash import SquashOptions, squash_stream, squash_tree
 from imgpipe.enroot.storage import Storage
-from imgpipe.pipeline.files import atomic_path, file_sha256
 from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.errors import RegistryError
 from imgpipe.registry.reference import Reference

@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from imgpipe.base.process import require, run
 from imgpipe.enroot.errors import ConvertError
 from imgpipe.enroot.squash import ENROOT_OPTIONS, SquashOptions
-from imgpipe.pipeline.process import require, run
 from imgpipe.registry.reference import Reference
 
 ENROOT_SQUASH = {

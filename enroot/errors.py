@@ -1,10 +1,10 @@
-"""Errors of the enroot subsystem (the whole tree is drawn in imgpipe.pipeline.errors)."""
+"""Errors of the enroot subsystem (the whole tree is drawn in imgpipe.base.errors)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from imgpipe.pipeline.errors import ImgpipeError
+from imgpipe.base.errors import ImgpipeError
 
 
 class ConvertError(ImgpipeError):

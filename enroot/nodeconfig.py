@@ -22,7 +22,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from imgpipe.pipeline.config import Settings
+from imgpipe.base.config import Settings
 
 PYXIS_SO_CANDIDATES = ("/usr/local/lib/slurm/spank_pyxis.so", "/usr/lib/slurm/spank_pyxis.so",
                        "/usr/lib64/slurm/spank_pyxis.so",

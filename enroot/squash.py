@@ -16,27 +16,24 @@ fine), and a file the node's tools cannot read is worse than a slower one.
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import fcntl
 import os
 import shutil
-import subprocess
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Literal
 
+from imgpipe.base import process
+from imgpipe.base.errors import CommandError
+from imgpipe.base.process import last_line, require
 from imgpipe.enroot.errors import ConvertError
-from imgpipe.pipeline.process import die_with_parent, last_line, require
 
 Compression = Literal["zstd", "lz4", "lzo-enroot", "none"]
 ENROOT_OPTIONS = ["-comp", "lzo", "-noD"]
 # A 1 MiB pipe instead of Linux's 64 KiB: measured on the bert image, the stream into
 # tar2sqfs took 15.9 s through the default pipe and 8.7 s through this one.
 PIPE_SIZE = 1 << 20
-F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 SQUASH_TIMEOUT_S = 3 * 3600
 
 
@@ -72,39 +69,17 @@ def _mksquashfs_argv(options: SquashOptions, tree: Path, output: Path) -> list[s
     return argv + ["-noI", "-noD", "-noF", "-noX"]
 
 
-def _run_fed(argv: list[str], feed: Callable[[IO[bytes]], object], what: str,
+def _run_fed(argv: list[str], write: Callable[[IO[bytes]], object], what: str,
              cwd: Path | None = None) -> None:
-    """Run ``argv`` while ``feed`` writes its stdin; the feeder's own error wins."""
-    stderr_lines: list[bytes] = []
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, cwd=cwd, bufsize=PIPE_SIZE,
-                            preexec_fn=die_with_parent)
-    assert proc.stdin is not None and proc.stderr is not None
-    errors = proc.stderr
-    with contextlib.suppress(OSError):  # a smaller pipe still works, only slower
-        fcntl.fcntl(proc.stdin.fileno(), F_SETPIPE_SZ, PIPE_SIZE)
-    reader = threading.Thread(target=lambda: stderr_lines.extend(errors), daemon=True)
-    reader.start()
+    """Run ``argv`` while ``write`` fills its stdin; the writer's own error wins."""
     try:
-        feed(proc.stdin)
-        proc.stdin.close()
-    except BrokenPipeError:
-        pass  # the consumer died: its exit status says why
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
-    try:
-        code = proc.wait(timeout=SQUASH_TIMEOUT_S)
-    except subprocess.TimeoutExpired as exc:
-        proc.kill()
-        raise ConvertError(f"{what} did not finish within {SQUASH_TIMEOUT_S} s") from exc
-    reader.join(5)
-    if code != 0:
-        text = b"".join(stderr_lines).decode(errors="replace")
-        detail = last_line(text)
-        _raise_if_full(argv[-1], text)
-        raise ConvertError(f"{what} failed (exit {code}): {detail}")
+        done = process.feed(argv, write, timeout=SQUASH_TIMEOUT_S, cwd=cwd,
+                            pipe_size=PIPE_SIZE, what=what)
+    except CommandError as exc:
+        raise ConvertError(exc.message) from exc
+    if done.returncode != 0:
+        _raise_if_full(argv[-1], done.stderr)
+        raise ConvertError(f"{what} failed (exit {done.returncode}): {last_line(done.stderr)}")
 
 
 def squash_stream(feed: Callable[[IO[bytes]], object], output: Path,
@@ -120,9 +95,11 @@ def squash_tree(fill: Callable[[Path], object], output: Path, options: SquashOpt
     tree.mkdir()
     try:
         fill(tree)
-        result = subprocess.run(_mksquashfs_argv(options, tree, output), capture_output=True,
-                                text=True, stdin=subprocess.DEVNULL, timeout=SQUASH_TIMEOUT_S,
-                                check=False, preexec_fn=die_with_parent)
+        try:
+            result = process.run(_mksquashfs_argv(options, tree, output), check=False,
+                                 timeout=SQUASH_TIMEOUT_S, what="mksquashfs")
+        except CommandError as exc:
+            raise ConvertError(exc.message) from exc
         if result.returncode != 0:
             detail = last_line(result.stderr or result.stdout)
             _raise_if_full(str(output), f"{result.stderr}\n{result.stdout}")

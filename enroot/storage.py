@@ -36,8 +36,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from imgpipe.base.files import TMP_PREFIX, atomic_write, orphaned, owner_tag
 from imgpipe.enroot.errors import ConvertError
-from imgpipe.pipeline.files import TMP_PREFIX, atomic_write, orphaned, owner_tag
 
 LAYOUT_VERSION = "1"
 # The content a conversion makes, beyond the layers: bumped when it changes (2: empty

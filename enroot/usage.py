@@ -25,9 +25,6 @@ from imgpipe.enroot.errors import ConvertError
 from imgpipe.enroot.storage import Storage, digest_hex, make_shared_dir
 
 SQSH_DIGEST = re.compile(r"\+sha256-(?P<hex>[0-9a-f]{64})\+")
-SIZE = re.compile(r"^(?P<n>\d+(?:\.\d+)?)\s*(?P<unit>[KMGT]?)i?B?$", re.IGNORECASE)
-
-
 @dataclass
 class Entry:
     kind: str  # squashfs | blob
@@ -43,15 +40,6 @@ class Pruned:
     kept_in_use: list[Entry]
     freed: int
     total_after: int
-
-
-def parse_size(text: str) -> int:
-    """``500G``, ``1.5T``, ``800MiB``, ``0`` -> bytes (powers of 1024)."""
-    match = SIZE.match(text.strip())
-    if not match:
-        raise ValueError(f"{text!r} is not a size such as 500G or 800M")
-    factor = 1024 ** " KMGT".index((match["unit"] or " ").upper())
-    return int(float(match["n"]) * factor)
 
 
 def _uses_dir(storage: Storage, squashfs: Path) -> Path:

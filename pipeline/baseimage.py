@@ -10,8 +10,8 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from imgpipe.pipeline.errors import ImgpipeError
-from imgpipe.pipeline.process import run
+from imgpipe.base.errors import ImgpipeError
+from imgpipe.base.process import run
 
 DEFAULT_TAG = "imgpipe/debian-python:bookworm"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"

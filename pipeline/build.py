@@ -17,9 +17,9 @@ from pathlib import Path
 from python_on_whales import DockerClient, Image
 from python_on_whales.exceptions import DockerException
 
+from imgpipe.base.errors import CommandError
+from imgpipe.base.process import last_error_line, stream
 from imgpipe.pipeline.engine import BuildClient
-from imgpipe.pipeline.errors import CommandError
-from imgpipe.pipeline.process import last_error_line, stream
 
 
 @dataclass(frozen=True)

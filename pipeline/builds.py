@@ -18,16 +18,16 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from imgpipe.base.config import Settings
+from imgpipe.base.errors import ConfigError, ImgpipeError
+from imgpipe.base.files import atomic_write
+from imgpipe.base.progress import Progress
 from imgpipe.pipeline.catalog import Image
-from imgpipe.pipeline.config import Settings
 from imgpipe.pipeline.context import stage_context
 from imgpipe.pipeline.engine import BuildClient
-from imgpipe.pipeline.errors import ConfigError, ImgpipeError
-from imgpipe.pipeline.files import atomic_write
 from imgpipe.pipeline.gitinfo import Revision
 from imgpipe.pipeline.lock import LockFile
 from imgpipe.pipeline.plan import PlanItem, plan_image
-from imgpipe.pipeline.progress import Progress
 from imgpipe.pipeline.secrets import secret_files
 from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.reference import Reference

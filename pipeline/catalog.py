@@ -13,8 +13,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from imgpipe.pipeline.config import Settings, format_validation_error
-from imgpipe.pipeline.errors import ConfigError
+from imgpipe.base.config import Settings, format_validation_error
+from imgpipe.base.errors import ConfigError
 
 IMAGE_FILE = "image.yaml"
 SecretName = Literal["ca_bundle", "pip_config", "ngc_api_key"]

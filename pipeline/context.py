@@ -20,8 +20,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from imgpipe.pipeline.errors import ConfigError
-from imgpipe.pipeline.files import file_sha256
+from imgpipe.base.errors import ConfigError
+from imgpipe.base.files import file_sha256
 
 WHEELS_DIR = ".wheels"
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from imgpipe.pipeline.errors import CommandError, ImgpipeError
-from imgpipe.pipeline.process import run
+from imgpipe.base.errors import CommandError, ImgpipeError
+from imgpipe.base.process import run
 
 BuildPath = Literal["buildx", "builtin"]
 # Every docker CLI that still builds with the engine's BuildKit without the

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from imgpipe.pipeline.process import run, which
+from imgpipe.base.process import run, which
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from imgpipe.pipeline.errors import ConfigError
-from imgpipe.pipeline.files import atomic_write
+from imgpipe.base.errors import ConfigError
+from imgpipe.base.files import atomic_write
 
 LOCK_NAME = "imgpipe.lock"
 LOCK_VERSION = 1

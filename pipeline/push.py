@@ -12,12 +12,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from imgpipe.base.errors import ImgpipeError
+from imgpipe.base.process import stream
+from imgpipe.base.progress import Progress
 from imgpipe.pipeline.builds import BuildRecord
 from imgpipe.pipeline.engine import BuildClient
-from imgpipe.pipeline.errors import ImgpipeError
 from imgpipe.pipeline.lock import LockEntry, updating_lock
-from imgpipe.pipeline.process import stream
-from imgpipe.pipeline.progress import Progress
 from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.errors import RegistryError
 

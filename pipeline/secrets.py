@@ -13,8 +13,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from imgpipe.pipeline.config import Settings
-from imgpipe.pipeline.errors import ConfigError
+from imgpipe.base.config import Settings
+from imgpipe.base.errors import ConfigError
 
 
 @contextlib.contextmanager

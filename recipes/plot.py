@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from imgpipe.pipeline.files import atomic_path
+from imgpipe.base.files import atomic_path
 from imgpipe.recipes.nccl import Run
 
 

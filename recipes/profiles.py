@@ -9,7 +9,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from imgpipe.pipeline.config import format_validation_error
+from imgpipe.base.config import format_validation_error
 from imgpipe.recipes.errors import ProfileError, RecipeError
 
 SHIPPED = ("dgx1", "dgx2", "dgx-a100", "dgx-h100", "local")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import jinja2
 
-from imgpipe.pipeline.files import atomic_write
+from imgpipe.base.files import atomic_write
 from imgpipe.recipes.errors import RecipeError
 from imgpipe.recipes.ncclscript import check_program
 from imgpipe.recipes.profiles import Profile

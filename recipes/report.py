@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from imgpipe.pipeline.files import atomic_path
+from imgpipe.base.files import atomic_path
 from imgpipe.recipes.errors import RecipeError
 from imgpipe.recipes.nccl import Run, check, parse, verdict_line
 

@@ -24,13 +24,13 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from imgpipe.pipeline import process
+from imgpipe.base import process
+from imgpipe.base.errors import ImgpipeError
 from imgpipe.recipes.errors import RecipeError
 
 STATE_FILE = "sandbox.json"
@@ -164,10 +164,10 @@ class Sandbox:
 
     def run(self, argv: Sequence[str], *, user: str | None = None, host: Host | None = None,
             env: Mapping[str, str] | None = None, timeout: float = 120,
-            cwd: str | os.PathLike[str] | None = None) -> subprocess.CompletedProcess[str]:
+            cwd: str | os.PathLike[str] | None = None) -> process.Completed:
         """A command on a host of the cluster; its result, whatever the exit status."""
-        return subprocess.run(self.on(host, argv, user, env), capture_output=True, text=True,
-                              timeout=timeout, cwd=cwd, stdin=subprocess.DEVNULL)
+        return process.run(self.on(host, argv, user, env), timeout=timeout, cwd=cwd,
+                           check=False)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -335,7 +335,7 @@ class Sandbox:
             # `ip netns exec` mounts a fresh /sys without cgroupfs, which slurmd needs.
             argv = ["ip", "netns", "exec", host.namespace, "unshare", "--uts", "--",
                     "sh", str(self.root / "boot.sh"), host.name, *argv]
-        state.pids[label] = process.spawn(argv, log, env=self.env)
+        state.pids[label] = process.spawn(argv, log, env=self.env).pid
         self._save(state)
 
     def _write_boot_script(self) -> None:
@@ -437,7 +437,7 @@ class Sandbox:
         self._state_path().unlink(missing_ok=True)
 
     def _cancel_jobs(self) -> None:
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
+        with contextlib.suppress(OSError, ImgpipeError):
             queue = self.run(["squeue", "-h", "-o", "%i"], timeout=20)
             jobs = queue.stdout.split()
             if jobs:

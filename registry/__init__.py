@@ -8,7 +8,7 @@ Names are resolved on first use (PEP 562), so importing one module of the packag
 
 from __future__ import annotations
 
-from imgpipe.pipeline.lazy import lazy_exports
+from imgpipe.base.lazy import lazy_exports
 
 _HOME = {
     "AuthError": "imgpipe.registry.errors",

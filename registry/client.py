@@ -23,7 +23,7 @@ from requests.adapters import HTTPAdapter
 from urllib3.exceptions import ReadTimeoutError
 from urllib3.util.retry import Retry
 
-from imgpipe.pipeline.files import atomic_path
+from imgpipe.base.files import atomic_path
 from imgpipe.registry.auth import Authenticator, Credentials
 from imgpipe.registry.errors import AuthError, DigestMismatchError, RegistryError
 from imgpipe.registry.mediatypes import (  # noqa: F401 (re-exported)

@@ -1,8 +1,8 @@
-"""Errors of the registry subsystem (the whole tree is drawn in imgpipe.pipeline.errors)."""
+"""Errors of the registry subsystem (the whole tree is drawn in imgpipe.base.errors)."""
 
 from __future__ import annotations
 
-from imgpipe.pipeline.errors import ImgpipeError
+from imgpipe.base.errors import ImgpipeError
 
 
 class RegistryError(ImgpipeError):

@@ -21,7 +21,6 @@ import contextlib
 import os
 import signal
 import socket
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,10 +29,11 @@ from typing import Any, Literal
 
 import yaml
 
-from imgpipe.pipeline.config import RegistryConfig, Settings
-from imgpipe.pipeline.errors import ImgpipeError
-from imgpipe.pipeline.files import atomic_write
-from imgpipe.pipeline.process import which
+from imgpipe.base import process
+from imgpipe.base.config import RegistryConfig, Settings
+from imgpipe.base.errors import ImgpipeError
+from imgpipe.base.files import atomic_write
+from imgpipe.base.process import which
 from imgpipe.registry.errors import LocalRegistryError
 
 Mode = Literal["container", "binary"]
@@ -308,15 +308,10 @@ class LocalRegistry:
             raise LocalRegistryError("the docker-registry binary is not installed",
                                      hint="apt-get install docker-registry")
         atomic_write(self.config_file, self.render_config("binary"), mode=0o600)
-        with open(self.log_file, "ab") as log:
-            proc = subprocess.Popen(
-                [binary, "serve", str(self.config_file)],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # survives the CLI; stopped by `registry down`
-                env={k: v for k, v in os.environ.items() if not k.startswith("REGISTRY_")},
-            )
+        # survives the CLI (its own session); stopped by `registry down`
+        proc = process.spawn([binary, "serve", str(self.config_file)], self.log_file,
+                             env={k: v for k, v in os.environ.items()
+                                  if not k.startswith("REGISTRY_")}, inherit_env=False)
         atomic_write(self.pid_file, f"{proc.pid}\n")
         self._proc = proc
 
@@ -353,7 +348,7 @@ class LocalRegistry:
     def _wait_until_ready(self, mode: Mode) -> None:
         deadline = time.monotonic() + START_DEADLINE_S
         while time.monotonic() < deadline:
-            if mode == "binary" and self._proc.poll() is not None:
+            if mode == "binary" and self._proc.exited():
                 raise LocalRegistryError(
                     f"the registry exited at start: {self._log_tail()}",
                     hint=f"its log is {self.log_file}",
@@ -440,8 +435,7 @@ class LocalRegistry:
         argv = [binary, "garbage-collect", str(self.config_file)]
         if delete_untagged:
             argv.append("--delete-untagged")
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=600,
-                              stdin=subprocess.DEVNULL, check=False)
+        proc = process.run(argv, timeout=600, check=False, what="garbage-collect")
         with open(self.log_file, "a") as log:
             log.write(proc.stdout + proc.stderr)
         if proc.returncode != 0:

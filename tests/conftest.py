@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from imgpipe.pipeline.cli import main
+from imgpipe.cli.main import main
 from tests import services
 
 

@@ -83,7 +83,7 @@ def untouched(image, tmp_path_factory, registry_server) -> str:
     cli = CliRun(folder, Quiet())  # type: ignore[arg-type]
     cli.write_config({"registry": {"port": registry_server.port},
                       "outputs": {"squashfs_dir": str(folder / "sqsh")}})
-    from imgpipe.pipeline.cli import main
+    from imgpipe.cli.main import main
 
     old = Path.cwd()
     os.chdir(folder)
@@ -387,7 +387,7 @@ def test_prune_keeps_what_a_job_uses_and_what_is_locked(image, tmp_path, capsys,
                                                         registry_server, monkeypatch) -> None:
     import sys
 
-    from imgpipe.enroot import importer
+    from imgpipe.cli import importer
 
     services.push_image(services.plain_session(), registry_server.url, "cache/other", "1",
                         [OTHER])

@@ -9,7 +9,7 @@ import sys
 
 import click
 
-from imgpipe.pipeline.cli import LAZY_COMMANDS, cli
+from imgpipe.cli.main import LAZY_COMMANDS, cli
 
 
 def test_the_command_list_matches_each_commands_own_help() -> None:
@@ -24,10 +24,10 @@ def test_the_command_list_matches_each_commands_own_help() -> None:
 
 def test_help_imports_no_command_module() -> None:
     probe = ("import sys\n"
-             "from imgpipe.pipeline.cli import main\n"
+             "from imgpipe.cli.main import main\n"
              "code = main(['--help'])\n"
              "heavy = sorted(m for m in ('requests', 'pydantic', 'jinja2', 'docker', "
-             "'python_on_whales', 'imgpipe.pipeline.cli_build', 'imgpipe.registry.client') "
+             "'python_on_whales', 'imgpipe.cli.build', 'imgpipe.registry.client') "
              "if m in sys.modules)\n"
              "print(code, heavy)\n")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from imgpipe.pipeline.config import load_settings
-from imgpipe.pipeline.errors import ConfigError
+from imgpipe.base.config import load_settings
+from imgpipe.base.errors import ConfigError
 
 
 def test_no_file_gives_the_one_machine_default(tmp_path: Path) -> None:

@@ -238,7 +238,7 @@ def test_other_compressions_give_the_same_tree(tmp_path, registry_server, multi_
 
 def _convert_proc(folder: Path, ref: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-c", "from imgpipe.pipeline.cli import run; run()", "convert", ref,
+        [sys.executable, "-c", "from imgpipe.cli.main import run; run()", "convert", ref,
          "--json"], cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -6,8 +6,11 @@ import importlib
 
 import pytest
 
+# Every folder of code, each imgpipe.<folder> (pyproject.toml maps them).
+FOLDERS = ("cli", "commands", "pipeline", "registry", "enroot", "recipes", "base")
+
 EXPECTED = {
-    "imgpipe.pipeline": ["CommandError", "ConfigError", "ImgpipeError", "Settings",
+    "imgpipe.base": ["CommandError", "ConfigError", "ImgpipeError", "Settings",
                          "ToolMissingError", "atomic_path", "atomic_write", "load_settings"],
     "imgpipe.registry": ["AuthError", "Credentials", "DigestMismatchError", "LocalRegistry",
                          "LocalRegistryError", "Manifest", "Platform", "Reference",
@@ -25,7 +28,7 @@ def test_exported_members(module_name: str) -> None:
 
 
 def test_every_user_error_derives_from_the_one_base() -> None:
-    from imgpipe.pipeline.errors import ImgpipeError
+    from imgpipe.base.errors import ImgpipeError
     from imgpipe.registry import errors
 
     for name in ("RegistryError", "AuthError", "DigestMismatchError", "ReferenceFormatError",
@@ -47,7 +50,7 @@ def test_the_wheel_installs_only_imgpipe(tmp_path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     tops = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
     assert tops == {"imgpipe"}
-    for sub in ("pipeline", "registry", "enroot", "recipes"):
+    for sub in FOLDERS:
         assert f"imgpipe/{sub}/__init__.py" in names
     assert "imgpipe/__init__.py" not in names  # a namespace: no folder of its own
 
@@ -55,14 +58,14 @@ def test_the_wheel_installs_only_imgpipe(tmp_path) -> None:
 def test_subsystem_names_do_not_leak_as_top_level_imports() -> None:
     import sys
 
-    for leaked in ("pipeline", "registry", "enroot", "recipes"):
+    for leaked in FOLDERS:
         spec_paths = [p for p in sys.path if p and p.endswith(("site-packages",))]
         for path in spec_paths:
             assert not (__import__("pathlib").Path(path) / leaked).exists(), (path, leaked)
 
 
 def test_the_error_tree_drawn_in_the_docstring_is_the_real_one() -> None:
-    """Every ImgpipeError subclass appears in pipeline/errors.py's drawing, under its
+    """Every ImgpipeError subclass appears in base/errors.py's drawing, under its
     real parent: the one place a reader learns the tree must not drift from the code."""
     import re
 
@@ -70,8 +73,8 @@ def test_the_error_tree_drawn_in_the_docstring_is_the_real_one() -> None:
     import imgpipe.recipes.errors  # noqa: F401
     import imgpipe.recipes.sandbox  # noqa: F401
     import imgpipe.registry.errors  # noqa: F401
-    from imgpipe.pipeline import errors
-    from imgpipe.pipeline.errors import ImgpipeError
+    from imgpipe.base import errors
+    from imgpipe.base.errors import ImgpipeError
 
     drawn: dict[str, str] = {}
     stack: list[tuple[int, str]] = []
@@ -105,8 +108,7 @@ def test_every_module_imports_on_its_own() -> None:
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    modules = [f"imgpipe.{folder}.{path.stem}" for folder in ("pipeline", "registry", "enroot",
-                                                               "recipes")
+    modules = [f"imgpipe.{folder}.{path.stem}" for folder in FOLDERS
                for path in sorted((root / folder).glob("*.py")) if path.stem != "__init__"]
     assert len(modules) > 40
 

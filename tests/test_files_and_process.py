@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from imgpipe.pipeline.errors import CommandError, ToolMissingError
-from imgpipe.pipeline.files import atomic_path, atomic_write
-from imgpipe.pipeline.process import run
+from imgpipe.base.errors import CommandError, ToolMissingError
+from imgpipe.base.files import atomic_path, atomic_write
+from imgpipe.base.process import run
 
 
 def test_atomic_write_replaces_whole(tmp_path: Path) -> None:

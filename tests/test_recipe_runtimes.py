@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from imgpipe.base.config import load_settings
 from imgpipe.enroot.nodeconfig import detect_pyxis, parse_version, render
-from imgpipe.pipeline.config import load_settings
 from imgpipe.recipes.ncclscript import check_program
 from imgpipe.recipes.profiles import load_profile
 from imgpipe.recipes.render import RecipeInputs, max_bytes, render_bundle
@@ -332,7 +332,7 @@ def test_node_config_turns_on_squashfuse_mode_where_pyxis_has_it(tmp_path: Path,
 
 
 def test_doctor_names_what_squashfuse_mode_lacks(tmp_path: Path) -> None:
-    from imgpipe.pipeline.doctor import check_squashfuse_mode
+    from imgpipe.commands.doctor import check_squashfuse_mode
 
     fuse = tmp_path / "fuse"
     fuse.touch()
@@ -349,7 +349,7 @@ def test_doctor_names_what_squashfuse_mode_lacks(tmp_path: Path) -> None:
 
 def test_the_importer_fast_path_reads_the_settings_the_full_loader_reads(tmp_path: Path
                                                                          ) -> None:
-    from imgpipe.enroot.importer import quick_settings
+    from imgpipe.cli.importer import quick_settings
 
     for text in ("{}\n", "registry: {host: head, port: 5001}\noutputs: {squashfs_dir: sq}\n"
                  "enroot: {compression: lz4}\n", "outputs: {squashfs_dir: /abs/sq}\n",
@@ -377,7 +377,7 @@ def test_the_importer_answers_a_converted_digest_without_the_heavy_machinery(tmp
     config = tmp_path / "imgpipe.yaml"
     config.write_text("registry: {host: head, port: 5000}\n"
                       f"outputs: {{squashfs_dir: {squashfs}}}\n")
-    probe = ("import sys\nfrom imgpipe.enroot.importer import main\n"
+    probe = ("import sys\nfrom imgpipe.cli.importer import main\n"
              f"code = main(['get', 'docker://head:5000#imgpipe/bert@sha256:{digest}'])\n"
              "print(code, 'pydantic' in sys.modules, 'requests' in sys.modules)\n")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,

@@ -151,7 +151,7 @@ def test_up_without_permission_to_the_data_directory(public_tmp: Path) -> None:
         f"    mode: binary\n    data_dir: {locked}/data\n    state_dir: {work}/state\n")
     proc = subprocess.run(
         ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-         sys.executable, "-c", "from imgpipe.pipeline.cli import run; run()", "registry", "up"],
+         sys.executable, "-c", "from imgpipe.cli.main import run; run()", "registry", "up"],
         cwd=work, capture_output=True, text=True, timeout=60,
         env={**os.environ, "HOME": str(work)},
     )

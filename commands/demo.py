@@ -1,4 +1,4 @@
-"""The main job on this machine: ``./setup.sh demo`` (``python -m imgpipe.pipeline.demo``).
+"""The main job on this machine: ``./setup.sh demo`` (``python -m imgpipe.commands.demo``).
 
 What a team does on a cluster, with the commands a user types, on a local sandbox:
 
@@ -25,13 +25,13 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from imgpipe.base import process
 from imgpipe.recipes.sandbox import Sandbox, SandboxSpec
 
 ROOT = Path.cwd()
@@ -50,9 +50,10 @@ def imgpipe(*args: str, capture: bool = False) -> dict[str, Any]:
     argv = [str(Path(sys.executable).parent / "imgpipe"), *args]
     say("$ " + shlex.join(["imgpipe", *args]))
     if not capture:
-        subprocess.run(argv, check=True)
+        if process.attached(argv):
+            raise SystemExit(f"error: imgpipe {' '.join(args)} failed")
         return {}
-    done = subprocess.run([*argv, "--json"], check=False, capture_output=True, text=True)
+    done = process.run([*argv, "--json"], check=False, timeout=1800)
     if done.returncode:
         sys.stderr.write(done.stderr + done.stdout)
         raise SystemExit(f"error: imgpipe {' '.join(args)} failed")
@@ -102,7 +103,7 @@ def images(state: dict[str, Any]) -> dict[str, Any]:
 
 def inputs(work: Path) -> tuple[Path, Path, Path]:
     """Corpus, vocabulary and a small BERT config, made once."""
-    from imgpipe.pipeline.democorpus import assemble
+    from imgpipe.commands.democorpus import assemble
 
     corpus, vocab, config = work / "corpus", work / "vocab.txt", work / "bert_config.json"
     if not (corpus / "done").exists():
@@ -112,9 +113,9 @@ def inputs(work: Path) -> tuple[Path, Path, Path]:
             f"in {made['files']} files")
     if not vocab.exists():
         say("$ python -m bert_trainer.dataset train-vocab --vocab-size 2000")
-        subprocess.run([sys.executable, "-m", "bert_trainer.dataset", "train-vocab",
-                        "--source", str(corpus), "--output", str(vocab), "--vocab-size",
-                        "2000"], check=True, capture_output=True)
+        process.run([sys.executable, "-m", "bert_trainer.dataset", "train-vocab",
+                     "--source", str(corpus), "--output", str(vocab), "--vocab-size", "2000"],
+                    timeout=600, what="train-vocab")
     if not config.exists():
         size = len(vocab.read_text().splitlines())
         config.write_text(json.dumps({

@@ -4,6 +4,14 @@ from __future__ import annotations
 
 import click
 
+from imgpipe.base.config import Settings
+from imgpipe.base.errors import ConfigError
+from imgpipe.base.files import file_sha256
+from imgpipe.base.progress import Progress, choose_mode
+from imgpipe.base.units import human_bytes
+from imgpipe.cli.clikit import CONTEXT, invocation, parsed_by, reporting, settings_of
+from imgpipe.cli.output import Result
+from imgpipe.commands.wiring import registry_client, squash_options, storage
 from imgpipe.enroot.convert import Conversion, convert
 from imgpipe.enroot.nodeconfig import (
     PYXIS_SO_CANDIDATES,
@@ -14,14 +22,7 @@ from imgpipe.enroot.nodeconfig import (
     render,
 )
 from imgpipe.pipeline.catalog import load_catalog
-from imgpipe.pipeline.clikit import CONTEXT, invocation, parsed_by, reporting, settings_of
-from imgpipe.pipeline.config import Settings
-from imgpipe.pipeline.errors import ConfigError
-from imgpipe.pipeline.files import file_sha256
 from imgpipe.pipeline.lock import lock_path, read_lock, updating_lock
-from imgpipe.pipeline.output import Result, human_bytes
-from imgpipe.pipeline.progress import Progress, choose_mode
-from imgpipe.pipeline.wiring import registry_client, squash_options, storage
 from imgpipe.registry.reference import Reference
 
 COMPRESSION = click.Choice(["zstd", "lz4", "lzo-enroot", "none"])
@@ -49,7 +50,8 @@ def convert_and_record(settings: Settings, target: str, flavor: str, compression
                          say=progress.step, with_enroot=with_enroot,
                          connections=settings.enroot.max_connections)
     if conversion.converted and settings.enroot.cache_max_size:
-        from imgpipe.enroot.usage import parse_size, prune
+        from imgpipe.base.units import parse_size
+        from imgpipe.enroot.usage import prune
 
         pruned = prune(storage(settings), max_size=parse_size(settings.enroot.cache_max_size))
         if pruned.removed:

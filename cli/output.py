@@ -73,12 +73,3 @@ def emit_error(invocation: Invocation, code: str, message: str, hint: str | None
         print(envelope(invocation.command, "error", errors=[error]))
     text = f"error: {message}" + (f" (hint: {hint})" if hint else "")
     print(text, file=sys.stderr)
-
-
-def human_bytes(count: int) -> str:
-    value = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{count} B"

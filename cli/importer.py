@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 SITE_CONFIG = "/etc/imgpipe/imgpipe.yaml"
 USAGE = "usage: imgpipe-pyxis-importer get URI | release"
-# The defaults of imgpipe.pipeline.config that the fast path reads (a test keeps them equal).
+# The defaults of imgpipe.base.config that the fast path reads (a test keeps them equal).
 DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SCHEME = "127.0.0.1", 5000, "http"
 DEFAULT_SQUASHFS_DIR = "build/squashfs"
 
@@ -134,10 +134,10 @@ def fast_get(uri: str) -> Path | None:
 
 
 def get(uri: str) -> Path:
+    from imgpipe.base.config import load_settings
+    from imgpipe.commands.wiring import registry_client, storage
     from imgpipe.enroot.convert import convert
     from imgpipe.enroot.squash import SquashOptions
-    from imgpipe.pipeline.config import load_settings
-    from imgpipe.pipeline.wiring import registry_client, storage
     from imgpipe.registry.reference import Reference
 
     settings = load_settings(_config_file())
@@ -150,7 +150,8 @@ def get(uri: str) -> Path:
         say=lambda text: print(f"imgpipe: {text}", file=sys.stderr, flush=True),
         connections=enroot.max_connections)
     if conversion.converted and enroot.cache_max_size:
-        from imgpipe.enroot.usage import parse_size, prune
+        from imgpipe.base.units import parse_size
+        from imgpipe.enroot.usage import prune
 
         prune(storage(settings), max_size=parse_size(enroot.cache_max_size))
     return conversion.path
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"imgpipe: error: {exc.filename}: {exc.strerror}", file=sys.stderr)
             return 1
         return 0
-    from imgpipe.pipeline.errors import ImgpipeError
+    from imgpipe.base.errors import ImgpipeError
 
     try:
         if len(args) == 2 and args[0] == "get":
@@ -220,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run() -> None:
     if sys.argv[1:2] == ["get"]:  # a conversion may run: SIGTERM must clean up
-        from imgpipe.pipeline.process import raise_on_sigterm
+        from imgpipe.base.process import raise_on_sigterm
 
         raise_on_sigterm()
     sys.exit(main())

@@ -7,7 +7,9 @@ Argv is logged at debug level; the environment never is (it may hold secrets).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import logging
 import os
 import shlex
@@ -19,8 +21,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import IO
 
-from imgpipe.pipeline.errors import CommandError, ToolMissingError
+from imgpipe.base.errors import CommandError, ToolMissingError
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,7 @@ PACKAGE_OF = {
 
 DEFAULT_TIMEOUT_S = 300.0
 PR_SET_PDEATHSIG = 1
+F_SETPIPE_SZ = 1031  # fcntl: resize a pipe (Linux)
 
 
 class Terminated(BaseException):
@@ -233,17 +237,29 @@ def last_error_line(text: str) -> str:
     return lines[-1] if lines else ""
 
 
+@dataclass
+class Spawned:
+    """A daemon :func:`spawn` started: its pid, and whether it has exited yet."""
+
+    pid: int
+    _proc: subprocess.Popen[bytes]
+
+    def exited(self) -> bool:
+        return self._proc.poll() is not None
+
+
 def spawn(argv: Sequence[str], log_path: str | os.PathLike[str], *,
-          env: Mapping[str, str] | None = None) -> int:
+          env: Mapping[str, str] | None = None, inherit_env: bool = True) -> Spawned:
     """Start a daemon in a process group of its own, output appended to ``log_path``.
 
-    Returns its pid; the caller stops it (``os.killpg``).  For services that outlive
-    one call (the sandbox cluster's daemons), never for work whose result is awaited.
+    The caller stops it (``os.killpg``).  For services that outlive one call (the sandbox
+    cluster's daemons, the head node's registry), never for work whose result is awaited.
+    ``inherit_env=False`` gives it ``env`` alone, not this process's environment too.
     """
     argv = [str(a) for a in argv]
     require(argv[0])
     log.debug("spawn: %s", shlex.join(argv))
-    full_env = None if env is None else {**os.environ, **env}
+    full_env = (None if env is None else {**os.environ, **env}) if inherit_env else dict(env or {})
     with open(log_path, "ab") as handle:
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=handle,
@@ -251,4 +267,64 @@ def spawn(argv: Sequence[str], log_path: str | os.PathLike[str], *,
                                     start_new_session=True)
         except OSError as exc:
             raise CommandError(f"cannot run {argv[0]}: {exc.strerror}", argv=argv) from exc
-    return proc.pid
+    return Spawned(proc.pid, proc)
+
+
+def feed(argv: Sequence[str], write: Callable[[IO[bytes]], object], *, timeout: float,
+         cwd: str | os.PathLike[str] | None = None, pipe_size: int = 0,
+         what: str | None = None) -> Completed:
+    """Run ``argv`` while ``write`` fills its stdin (a stream too large to hold).
+
+    Returns whatever the exit status (stderr captured); the writer's own error wins over
+    the program's, a program that stops reading ends the writing quietly, and the timeout
+    (after the input is written) raises CommandError.  ``pipe_size`` widens the pipe.
+    """
+    argv = [str(a) for a in argv]
+    require(argv[0])
+    log.debug("feed: %s", shlex.join(argv))
+    errors: list[bytes] = []
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, cwd=cwd, bufsize=pipe_size or -1,
+                                preexec_fn=die_with_parent)
+    except OSError as exc:
+        raise CommandError(f"cannot run {argv[0]}: {exc.strerror}", argv=argv) from exc
+    assert proc.stdin is not None and proc.stderr is not None
+    if pipe_size:
+        with contextlib.suppress(OSError):  # a smaller pipe still works, only slower
+            fcntl.fcntl(proc.stdin.fileno(), F_SETPIPE_SZ, pipe_size)
+    stderr = proc.stderr
+    reader = threading.Thread(target=lambda: errors.extend(stderr), daemon=True)
+    reader.start()
+    try:
+        write(proc.stdin)
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass  # the program stopped reading: its exit status says why
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        proc.kill()
+        proc.wait()
+        raise CommandError(f"{what or argv[0]} did not finish within {timeout:.0f} s",
+                           argv=argv) from exc
+    reader.join(5)
+    return Completed(argv, code, "", b"".join(errors).decode(errors="replace"))
+
+
+def attached(argv: Sequence[str]) -> int:
+    """Run ``argv`` on this terminal (stdin, stdout and stderr inherited); its exit status.
+
+    For commands a person runs through imgpipe interactively (``imgpipe sandbox run``).
+    """
+    argv = [str(a) for a in argv]
+    require(argv[0])
+    log.debug("attached: %s", shlex.join(argv))
+    try:
+        return subprocess.run(argv, check=False).returncode
+    except OSError as exc:
+        raise CommandError(f"cannot run {argv[0]}: {exc.strerror}", argv=argv) from exc

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import click
 
-from imgpipe.pipeline.clikit import CONTEXT, reporting, settings_of
-from imgpipe.pipeline.errors import ImgpipeError
-from imgpipe.pipeline.output import Result, human_bytes
-from imgpipe.pipeline.wiring import local_registry, registry_client
+from imgpipe.base.errors import ImgpipeError
+from imgpipe.base.units import human_bytes
+from imgpipe.cli.clikit import CONTEXT, reporting, settings_of
+from imgpipe.cli.output import Result
+from imgpipe.commands.wiring import local_registry, registry_client
 from imgpipe.registry.inventory import remove_tag, tag_digests
 from imgpipe.registry.local import dir_bytes
 from imgpipe.registry.reference import Reference

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import click
 
-from imgpipe.pipeline.clikit import CONTEXT, reporting, settings_of
-from imgpipe.pipeline.output import Result
+from imgpipe.cli.clikit import CONTEXT, reporting, settings_of
+from imgpipe.cli.output import Result
 
 
 @click.command(name="report", context_settings=CONTEXT)

@@ -2,7 +2,7 @@
 settings loaded on first use, and ``reporting`` (--json and the Result renderer).
 
 Kept apart from ``cli.py``, which imports every command module to register it, so that
-each command module imports on its own (``import imgpipe.pipeline.cli_build``).
+each command module imports on its own (``import imgpipe.cli.build``).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from imgpipe.pipeline.output import Invocation, Result, emit
+from imgpipe.cli.output import Invocation, Result, emit
 
 if TYPE_CHECKING:  # pydantic models: imported when a command first needs its settings
-    from imgpipe.pipeline.config import Settings
+    from imgpipe.base.config import Settings
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -27,7 +27,7 @@ def invocation(ctx: click.Context) -> Invocation:
 
 def settings_of(ctx: click.Context) -> Settings:
     """Settings for this run, loaded on first use (so --help works with a broken config)."""
-    from imgpipe.pipeline.config import load_settings
+    from imgpipe.base.config import load_settings
 
     inv = invocation(ctx)
     cached = ctx.meta.get("imgpipe.settings")

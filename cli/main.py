@@ -15,10 +15,10 @@ from pathlib import Path
 
 import click
 
-from imgpipe.pipeline.clikit import CONTEXT, invocation, reporting, settings_of
-from imgpipe.pipeline.errors import ImgpipeError
-from imgpipe.pipeline.output import Invocation, Result, emit_error
-from imgpipe.pipeline.process import Terminated, raise_on_sigterm
+from imgpipe.base.errors import ImgpipeError
+from imgpipe.base.process import Terminated, raise_on_sigterm
+from imgpipe.cli.clikit import CONTEXT, invocation, reporting, settings_of
+from imgpipe.cli.output import Invocation, Result, emit_error
 
 __all__ = ["CONTEXT", "LAZY_COMMANDS", "cli", "invocation", "main", "reporting", "run",
            "settings_of"]
@@ -28,35 +28,35 @@ __all__ = ["CONTEXT", "LAZY_COMMANDS", "cli", "invocation", "main", "reporting",
 # models, jinja2 and the Docker clients.  The one-line help shown in the command list is
 # kept here; tests/test_cli_startup.py checks it against each command's own.
 LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
-    "plan": ("imgpipe.pipeline.cli_build", "plan",
+    "plan": ("imgpipe.cli.build", "plan",
         "Say which images need a build and why, without building anything."),
-    "build": ("imgpipe.pipeline.cli_build", "build",
+    "build": ("imgpipe.cli.build", "build",
         "Build the images whose inputs changed (all when none are named) with BuildKit."),
-    "push": ("imgpipe.pipeline.cli_build", "push",
+    "push": ("imgpipe.cli.build", "push",
         "Push what `imgpipe build` built and record the digests in imgpipe.lock."),
-    "selftest": ("imgpipe.pipeline.cli_build", "selftest",
+    "selftest": ("imgpipe.cli.build", "selftest",
         "Run the self-test image.yaml names, in a container of the last build (no "
         "network)."),
-    "mirror": ("imgpipe.pipeline.cli_build", "mirror",
+    "mirror": ("imgpipe.cli.build", "mirror",
         "Copy an image (the NGC PyTorch base, say) into the head-node registry."),
-    "ci": ("imgpipe.pipeline.cli_build", "ci",
+    "ci": ("imgpipe.cli.build", "ci",
         "What CI runs on every merge: plan, build what changed, self-test, push, lock."),
-    "convert": ("imgpipe.pipeline.cli_convert", "convert_command",
+    "convert": ("imgpipe.cli.convert", "convert_command",
         "Convert an image into a squashfs file in outputs.squashfs_dir, once per digest."),
-    "node-config": ("imgpipe.pipeline.cli_convert", "node_config",
+    "node-config": ("imgpipe.cli.convert", "node_config",
         "Print what compute nodes need: enroot.conf, plugstack.conf and install lines."),
-    "registry": ("imgpipe.pipeline.cli_registry", "registry",
+    "registry": ("imgpipe.cli.registry", "registry",
         "Run the head node's registry and look after what it holds."),
-    "recipes": ("imgpipe.pipeline.cli_recipes", "recipes",
+    "recipes": ("imgpipe.cli.recipes", "recipes",
         "Slurm recipes (Pyxis srun/sbatch) for BERT training, dataset preparation and "
         "NCCL checks."),
-    "nccl": ("imgpipe.pipeline.cli_nccl", "nccl",
+    "nccl": ("imgpipe.cli.nccl", "nccl",
         "Cluster validation: read all_reduce_perf logs and judge the fabric."),
-    "cache": ("imgpipe.pipeline.cli_cache", "cache",
+    "cache": ("imgpipe.cli.cache", "cache",
         "The shared squashfs cache (outputs.squashfs_dir): list it, prune it."),
-    "sandbox": ("imgpipe.pipeline.cli_sandbox", "sandbox",
+    "sandbox": ("imgpipe.cli.sandbox", "sandbox",
         "A local Slurm cluster to try recipes on before a real one (needs root)."),
-    "report": ("imgpipe.pipeline.cli_report", "report",
+    "report": ("imgpipe.cli.report", "report",
         "Plots and one HTML page of a BERT workflow's results."),
 }
 
@@ -133,7 +133,7 @@ def doctor(ctx: click.Context) -> Result:
     Example:
       imgpipe doctor --json | jq '.data.checks[] | select(.verdict != "ok")'
     """
-    from imgpipe.pipeline.doctor import run_checks
+    from imgpipe.commands.doctor import run_checks
 
     checks = run_checks(settings_of(ctx))
     marks = {"ok": "ok  ", "warn": "warn", "missing": "MISS"}

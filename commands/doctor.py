@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from imgpipe.pipeline.config import Settings
+from imgpipe.base.config import Settings
+from imgpipe.base.errors import ImgpipeError
+from imgpipe.base.process import which
+from imgpipe.base.units import human_bytes
 from imgpipe.pipeline.engine import docker_clients, probe_client
-from imgpipe.pipeline.errors import ImgpipeError
-from imgpipe.pipeline.output import human_bytes
-from imgpipe.pipeline.process import which
 
 Verdict = Literal["ok", "warn", "missing"]
 MIN_FREE_BYTES = 20 * 1024**3
@@ -52,7 +52,7 @@ def check_docker(settings: Settings) -> list[Check]:
 
 
 def check_registry(settings: Settings) -> Check:
-    from imgpipe.pipeline.wiring import registry_client
+    from imgpipe.commands.wiring import registry_client
 
     try:
         registry_client(settings).ping()

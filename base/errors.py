@@ -1,6 +1,6 @@
 """The one error base every user-caused failure derives from.
 
-The CLI catches :class:`ImgpipeError` in one place (``imgpipe.pipeline.cli``),
+The CLI catches :class:`ImgpipeError` in one place (``imgpipe.cli.main``),
 prints ``error: <message> (hint: <hint>)`` and exits with ``exit_code``.
 Anything else that escapes is a bug and keeps its traceback.
 

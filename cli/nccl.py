@@ -7,9 +7,9 @@ from pathlib import Path
 
 import click
 
-from imgpipe.pipeline.clikit import CONTEXT, reporting, settings_of
-from imgpipe.pipeline.errors import ConfigError
-from imgpipe.pipeline.output import Result
+from imgpipe.base.errors import ConfigError
+from imgpipe.cli.clikit import CONTEXT, reporting, settings_of
+from imgpipe.cli.output import Result
 from imgpipe.recipes.nccl import check as judge
 from imgpipe.recipes.nccl import parse, verdict_line
 from imgpipe.recipes.ncclinfo import analyze

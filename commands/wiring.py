@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from imgpipe.base.config import Settings
 from imgpipe.enroot.squash import SquashOptions
 from imgpipe.enroot.storage import Storage
-from imgpipe.pipeline.config import Settings
 from imgpipe.registry.auth import (
     Credentials,
     credentials_from_docker_config,

@@ -8,20 +8,20 @@ from typing import Any
 
 import click
 
+from imgpipe.base.config import Settings
+from imgpipe.base.errors import ConfigError, ImgpipeError
+from imgpipe.base.process import stream
+from imgpipe.base.progress import Progress, choose_mode
+from imgpipe.cli.clikit import CONTEXT, invocation, reporting, settings_of
+from imgpipe.cli.output import Result
+from imgpipe.commands.wiring import registry_client
 from imgpipe.pipeline.builds import BaseResolver, build_item, make_plan, read_records, skipped
 from imgpipe.pipeline.catalog import Image, load_catalog, select
-from imgpipe.pipeline.clikit import CONTEXT, invocation, reporting, settings_of
-from imgpipe.pipeline.config import Settings
 from imgpipe.pipeline.engine import find_build_client
-from imgpipe.pipeline.errors import ConfigError, ImgpipeError
 from imgpipe.pipeline.gitinfo import revision
 from imgpipe.pipeline.lock import lock_path, read_lock
-from imgpipe.pipeline.output import Result
 from imgpipe.pipeline.plan import PlanItem
-from imgpipe.pipeline.process import stream
-from imgpipe.pipeline.progress import Progress, choose_mode
 from imgpipe.pipeline.push import push_record
-from imgpipe.pipeline.wiring import registry_client
 from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.reference import Reference
 
@@ -208,7 +208,7 @@ def push(ctx: click.Context, images: tuple[str, ...], then_convert: bool) -> Res
     lines = [f"{o.image}/{o.flavor}: {o.pinned}" for o in outcomes]
     squashfs = {}
     if then_convert:
-        from imgpipe.pipeline.cli_convert import convert_and_record
+        from imgpipe.cli.convert import convert_and_record
 
         for outcome in outcomes:
             done = convert_and_record(settings, outcome.image, outcome.flavor, None, False,

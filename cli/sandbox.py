@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import os
 import shlex
-import subprocess
 import sys
 
 import click
 
-from imgpipe.pipeline.clikit import CONTEXT, reporting, settings_of
-from imgpipe.pipeline.output import Result
+from imgpipe.base import process
+from imgpipe.cli.clikit import CONTEXT, reporting, settings_of
+from imgpipe.cli.output import Result
 from imgpipe.recipes.sandbox import Sandbox, SandboxSpec
 
 DEFAULT_SUBNET = "10.213.7"
@@ -126,7 +126,7 @@ def run_command(ctx: click.Context, user: str | None, host: str, argv: tuple[str
         raise click.UsageError("the sandbox is not up: imgpipe sandbox up")
     command = cluster.on(hosts[host], list(argv), user)
     try:
-        code = subprocess.run(command, check=False).returncode
+        code = process.attached(command)
     except KeyboardInterrupt:
         code = 130
     if code:

@@ -15,7 +15,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from imgpipe.pipeline.errors import ConfigError
+from imgpipe.base.errors import ConfigError
 
 CONFIG_NAME = "imgpipe.yaml"
 
@@ -134,7 +134,7 @@ class EnrootConfig(_Strict):
     @classmethod
     def _size(cls, value: str | None) -> str | None:
         if value is not None:
-            from imgpipe.enroot.usage import parse_size
+            from imgpipe.base.units import parse_size
 
             parse_size(value)
         return value

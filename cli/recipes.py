@@ -7,12 +7,12 @@ from pathlib import Path
 
 import click
 
-from imgpipe.pipeline.clikit import CONTEXT, reporting, settings_of
-from imgpipe.pipeline.config import Settings
-from imgpipe.pipeline.errors import ConfigError
+from imgpipe.base.config import Settings
+from imgpipe.base.errors import ConfigError
+from imgpipe.cli.clikit import CONTEXT, reporting, settings_of
+from imgpipe.cli.output import Result
+from imgpipe.commands.wiring import registry_client, registry_credentials
 from imgpipe.pipeline.lock import lock_path, read_lock
-from imgpipe.pipeline.output import Result
-from imgpipe.pipeline.wiring import registry_client, registry_credentials
 from imgpipe.recipes.profiles import load_profile
 from imgpipe.recipes.render import RecipeInputs, render_bundle
 from imgpipe.recipes.runtimes import RUNTIMES

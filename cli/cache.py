@@ -6,10 +6,11 @@ import time
 
 import click
 
-from imgpipe.enroot.usage import entries, parse_size, prune
-from imgpipe.pipeline.clikit import CONTEXT, parsed_by, reporting, settings_of
-from imgpipe.pipeline.output import Result, human_bytes
-from imgpipe.pipeline.wiring import storage
+from imgpipe.base.units import human_bytes, parse_size
+from imgpipe.cli.clikit import CONTEXT, parsed_by, reporting, settings_of
+from imgpipe.cli.output import Result
+from imgpipe.commands.wiring import storage
+from imgpipe.enroot.usage import entries, prune
 
 
 def _age(seconds: float) -> str:

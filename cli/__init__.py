@@ -1,0 +1,6 @@
+"""imgpipe.cli: the command line (parse, call, render), top of the layers.
+
+``imgpipe`` (``main``: a click group that imports each subcommand's module on first use)
+and ``imgpipe-pyxis-importer`` (``importer``: the program Pyxis and Enroot call).
+Nothing below imports from here.
+"""
