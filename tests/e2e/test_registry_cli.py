@@ -15,8 +15,6 @@ import pytest
 
 from tests import services
 
-pytestmark = pytest.mark.e2e
-
 
 def docker(*args: str, timeout: float = 300) -> str:
     proc = subprocess.run([services.DOCKER, *args], capture_output=True, text=True,

@@ -25,7 +25,6 @@ from imgpipe.recipes.profiles import load_profile
 from imgpipe.recipes.render import RecipeInputs, render_bundle
 from tests.cluster import USERS, Submitter, journal, owned_by, shared_folder, wait_until
 
-pytestmark = pytest.mark.e2e
 ALICE, BOB = USERS
 
 
@@ -33,8 +32,8 @@ def _dataset_inputs(folder: Path) -> tuple[Path, Path, Path]:
     """A small corpus, a vocabulary trained on it, and a tiny BERT config, readable by all."""
     from bert_trainer.config import TINY
 
-    from tests.test_dataset import PY as DATASET
-    from tests.test_dataset import make_corpus
+    from tests.unit.test_dataset import PY as DATASET
+    from tests.unit.test_dataset import make_corpus
 
     source = make_corpus(folder / "corpus", files=2, documents=30)
     vocab = folder / "vocab.txt"
@@ -235,7 +234,7 @@ def test_importer_two_users_on_two_nodes_convert_a_new_digest_once(cluster, regi
         f"http://{registry_server.address}/v2/imgpipe/race/manifests/{tag}",
         headers={"Accept": "application/vnd.docker.distribution.manifest.v2+json"},
         timeout=30).headers["Docker-Content-Digest"]
-    bin_dir = system_imgpipe(Path(__file__).resolve().parent.parent)
+    bin_dir = system_imgpipe(Path(__file__).resolve().parents[2])
     shared = shared_folder("imgpipe-importer-")
     squashfs = shared / "squashfs"
     squashfs.mkdir()

@@ -17,8 +17,6 @@ from imgpipe.registry.client import (
 from imgpipe.registry.errors import DigestMismatchError, RegistryError
 from tests import services
 
-pytestmark = pytest.mark.e2e
-
 
 @pytest.fixture
 def client(registry_server: services.RegistryProcess) -> RegistryClient:

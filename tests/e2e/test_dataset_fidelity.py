@@ -23,7 +23,7 @@ from bert_trainer.data import ShardStream, shard_files, to_batch
 from bert_trainer.dataset.prepare import Progress, default_shards
 
 from tests import reference_recipe
-from tests.test_dataset import PY, WORDS, make_corpus
+from tests.unit.test_dataset import PY, WORDS, make_corpus
 
 KEYS = ["input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids",
         "next_sentence_labels"]

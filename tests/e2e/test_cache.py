@@ -24,8 +24,6 @@ import pytest
 from tests import services
 from tests.conftest import CliRun
 
-pytestmark = pytest.mark.e2e
-
 
 def _layer(files: dict[str, bytes]) -> bytes:
     buffer = io.BytesIO()

@@ -4,10 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
-pytestmark = pytest.mark.e2e
-
 
 def test_sandbox_up_status_run_down(cli, tmp_path: Path) -> None:
     cli.write_config({"outputs": {"state_dir": str(tmp_path / "state")}})

@@ -43,7 +43,7 @@ def test_the_wheel_installs_only_imgpipe(tmp_path) -> None:
     import zipfile
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path),
                     str(root)], check=True, capture_output=True, timeout=300)
     [wheel] = tmp_path.glob("imgpipe-*.whl")
@@ -107,7 +107,7 @@ def test_every_module_imports_on_its_own() -> None:
     from concurrent.futures import ThreadPoolExecutor
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     modules = [f"imgpipe.{folder}.{path.stem}" for folder in FOLDERS
                for path in sorted((root / folder).glob("*.py")) if path.stem != "__init__"]
     assert len(modules) > 40

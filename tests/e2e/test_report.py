@@ -16,8 +16,6 @@ import pytest
 from bert_trainer.config import TINY
 from bert_trainer.synthetic import write_shards
 
-pytestmark = pytest.mark.e2e
-
 PRETRAIN = [sys.executable, "-m", "bert_trainer.pretrain"]
 
 

@@ -24,8 +24,6 @@ import pytest
 from tests import services
 from tests.conftest import CliRun
 
-pytestmark = pytest.mark.e2e
-
 MULTI_LAYER_DOCKERFILE = """\
 ARG BASE_IMAGE
 FROM ${BASE_IMAGE}

@@ -60,7 +60,7 @@ def test_a_stale_build_state_file_means_build_again(cli) -> None:
     import shutil
     from pathlib import Path
 
-    shutil.copytree(Path(__file__).resolve().parent.parent / "images" / "bert",
+    shutil.copytree(Path(__file__).resolve().parents[2] / "images" / "bert",
                     cli.folder / "images" / "bert")
     state = cli.folder / "build" / "state"
     state.mkdir(parents=True)

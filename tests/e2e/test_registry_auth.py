@@ -11,15 +11,11 @@ import trustme
 
 from imgpipe.registry.auth import (
     Credentials,
-    credentials_from_docker_config,
-    credentials_from_netrc,
-    parse_challenge,
 )
 from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.errors import AuthError
 from tests import services
 
-pytestmark = pytest.mark.e2e
 USER, PASSWORD = "alice", "s3cret-Pa55word"
 
 
@@ -144,33 +140,6 @@ def test_cli_with_docker_config_and_bearer(cli, token_registry, tmp_path) -> Non
     code, out, err = cli("registry", "status", "--json")
     assert code == 0, err
     assert json.loads(out)["data"]["reachable"] is True
-
-
-def test_credentials_lookup(tmp_path: Path) -> None:
-    import base64
-
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps({"auths": {
-        "head:5000": {"auth": base64.b64encode(b"bob:pw:with:colons").decode()},
-        "https://other:443": {"username": "carol", "password": "x"}}}))
-    found = credentials_from_docker_config("head:5000", config)
-    assert found == Credentials("bob", "pw:with:colons")
-    assert credentials_from_docker_config("other:443", config) == Credentials("carol", "x")
-    assert credentials_from_docker_config("nowhere:1", config) is None
-    netrc = tmp_path / "netrc"
-    netrc.write_text("machine head login dave password pw\n")
-    # Enroot's rule: the port is stripped when matching the machine name.
-    assert credentials_from_netrc("head:5000", netrc) == Credentials("dave", "pw")
-    assert credentials_from_netrc("else:5000", netrc) is None
-    assert "pw" not in repr(Credentials("dave", "pw"))
-
-
-def test_challenge_parsing() -> None:
-    scheme, params = parse_challenge(
-        'Bearer realm="https://auth.example/token",service="reg",scope="repository:a/b:pull,push"')
-    assert scheme == "bearer"
-    assert params == {"realm": "https://auth.example/token", "service": "reg",
-                      "scope": "repository:a/b:pull,push"}
 
 
 def test_verbose_logs_hold_no_password_or_token(cli, token_registry, tmp_path, caplog) -> None:

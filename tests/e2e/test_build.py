@@ -18,8 +18,7 @@ from imgpipe.registry.client import RegistryClient
 from tests import services
 from tests.conftest import CliRun
 
-pytestmark = pytest.mark.e2e
-REPO_IMAGES = Path(__file__).resolve().parent.parent / "images"
+REPO_IMAGES = Path(__file__).resolve().parents[2] / "images"
 PIP_SECRET = "pip-token-7f3c9e1a-do-not-leak"
 NGC_SECRET = "nvapi-4d2b8e6f0a-do-not-leak"
 
