@@ -1,0 +1,130 @@
+"""The build subsystem's decisions without an engine: which files make the context
+(.dockerignore), what the input hash covers, when a build is skipped and why, what the
+catalog accepts, and the lock file's reading and serialized updates."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+from pathlib import Path
+
+import pytest
+import yaml
+
+from imgpipe.base.errors import ConfigError
+from imgpipe.pipeline.catalog import load_image, select
+from imgpipe.pipeline.context import context_files, is_excluded, parse_dockerignore
+from imgpipe.pipeline.lock import LockEntry, LockFile, read_lock, updating_lock
+from imgpipe.pipeline.plan import INPUT_NAMES, plan_image
+
+
+def make_image(root: Path, name: str = "bert", **extra: object) -> Path:
+    folder = root / name
+    folder.mkdir(parents=True)
+    spec = {"name": name, "repository": f"imgpipe/{name}", "version": "0.1.0",
+            "flavors": {"cpu": {"base": "debian:12", "tag_suffix": "-cpu"}}, **extra}
+    (folder / "image.yaml").write_text(yaml.safe_dump(spec))
+    (folder / "Dockerfile").write_text("ARG BASE_IMAGE\nFROM $BASE_IMAGE\nCOPY app /app\n")
+    (folder / "app").mkdir()
+    (folder / "app" / "main.py").write_text("print('hi')\n")
+    return folder
+
+
+def plan(folder: Path, lock: LockFile, **kwargs: object):
+    defaults: dict = {"overrides": {}, "base_override": None, "wheels_dir": None,
+                      "resolve_base": lambda ref: "sha256:" + "b" * 64}
+    return plan_image(load_image(folder), "cpu", lock, **{**defaults, **kwargs})
+
+
+def pushed(item) -> LockFile:
+    entry = LockEntry(repository="head:5000/imgpipe/bert", tags=["0.1.0-cpu"],
+                      digest="sha256:" + "d" * 64, config_digest="sha256:" + "c" * 64,
+                      input_hash=item.input_hash, inputs=item.inputs, flavor="cpu",
+                      base="debian:12", pushed_at="2026-11-24T00:00:00Z")
+    return LockFile(images={"bert": {"cpu": entry}})
+
+
+def test_dockerignore_excludes_and_exceptions() -> None:
+    rules = parse_dockerignore("# comment\n*.pyc\nbuild/\n!build/keep.txt\n**/secret*\n")
+    assert is_excluded("a.pyc", rules)
+    assert is_excluded("build/out.o", rules)
+    assert not is_excluded("build/keep.txt", rules)
+    assert is_excluded("deep/down/secret.key", rules)
+    assert not is_excluded("src/main.py", rules)
+
+
+def test_context_files_follow_dockerignore_and_record_links(tmp_path: Path) -> None:
+    folder = make_image(tmp_path)
+    (folder / ".dockerignore").write_text("*.log\n")
+    (folder / "debug.log").write_text("noise")
+    (folder / "app" / "link").symlink_to("main.py")
+    listed = {f.path: f for f in context_files(folder)}
+    assert "debug.log" not in listed
+    assert {"Dockerfile", "image.yaml", "app/main.py", "app/link"} <= set(listed)
+    assert listed["app/link"].link == "main.py"
+
+
+def test_an_unchanged_image_is_up_to_date_and_each_change_is_named(tmp_path: Path) -> None:
+    folder = make_image(tmp_path)
+    first = plan(folder, LockFile())
+    assert (first.action, first.reason) == ("build", "never pushed")
+    lock = pushed(first)
+    again = plan(folder, lock)
+    assert again.action == "up to date" and again.input_hash == first.input_hash
+    (folder / "app" / "main.py").write_text("print('changed')\n")
+    assert plan(folder, lock).reason == "changed: context"
+    assert plan(folder, lock, resolve_base=lambda ref: "sha256:" + "e" * 64
+                ).reason == "changed: context, base"
+    assert plan(folder, lock, force=True).reason == "--force"
+
+
+def test_build_args_and_wheels_are_inputs(tmp_path: Path) -> None:
+    folder = make_image(tmp_path)
+    lock = pushed(plan(folder, LockFile()))
+    assert plan(folder, lock, overrides={"X": "1"}).reason == "changed: build_args"
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "torch-2.13.0-cp311-none-linux_x86_64.whl").write_bytes(b"w" * 10)
+    assert plan(folder, lock, wheels_dir=wheels).reason == "changed: wheels"
+    assert set(plan(folder, lock).inputs) == set(INPUT_NAMES)
+
+
+def test_catalog_refuses_mismatched_names_and_unknown_images(tmp_path: Path) -> None:
+    folder = make_image(tmp_path, "bert")
+    (folder / "image.yaml").write_text(yaml.safe_dump({
+        "name": "other", "repository": "imgpipe/other", "version": "1",
+        "flavors": {"cpu": {"base": "debian:12"}}}))
+    with pytest.raises(ConfigError, match="but the folder is 'bert'"):
+        load_image(folder)
+    good = load_image(make_image(tmp_path / "b", "nccl"))
+    with pytest.raises(ConfigError, match="unknown image 'bart'"):
+        select({"nccl": good}, ["bart"])
+    assert select({"nccl": good}, ["nccl", "nccl"]) == [good]
+    with pytest.raises(ConfigError, match="has no flavor 'gpu'"):
+        good.flavor("gpu")
+
+
+def test_a_broken_lock_file_is_one_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "imgpipe.lock"
+    assert read_lock(path) == LockFile()
+    path.write_text("{not json")
+    with pytest.raises(ConfigError, match="not a readable lock file"):
+        read_lock(path)
+    path.write_text(json.dumps({"images": {"bert": {"cpu": {"digest": 1}}}}))
+    with pytest.raises(ConfigError, match="not a valid imgpipe lock file"):
+        read_lock(path)
+
+
+def _add_entry(path: str, number: int) -> None:
+    with updating_lock(Path(path)) as lock:
+        entry = LockEntry(repository="h:1/r", tags=[], digest=f"sha256:{number:064d}",
+                          config_digest="x", input_hash="x", inputs={}, flavor="cpu",
+                          base="b", pushed_at="now")
+        lock.images[f"image{number}"] = {"cpu": entry}
+
+
+def test_concurrent_lock_updates_lose_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "imgpipe.lock"
+    with multiprocessing.get_context("fork").Pool(4) as pool:
+        pool.starmap(_add_entry, [(str(path), n) for n in range(16)])
+    assert sorted(read_lock(path).images) == sorted(f"image{n}" for n in range(16))
