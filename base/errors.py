@@ -8,6 +8,7 @@ Hierarchy::
 
     ImgpipeError                    exit 1 unless stated
     ├── ConfigError                 exit 2: imgpipe.yaml / image.yaml / CLI values
+    │   └── NotPushedError          imgpipe.pipeline.lock: no digest for an image a command needs
     ├── CommandError                an external program failed (argv, exit code, stderr)
     │   └── ToolMissingError        the program is not installed (hint names the package)
     ├── RegistryError               imgpipe.registry.errors: method, URL, status, error code

@@ -5,7 +5,6 @@ from __future__ import annotations
 import click
 
 from imgpipe.base.config import Settings
-from imgpipe.base.errors import ConfigError
 from imgpipe.base.files import file_sha256
 from imgpipe.base.progress import Progress, choose_mode
 from imgpipe.base.units import human_bytes
@@ -37,11 +36,7 @@ def convert_and_record(settings: Settings, target: str, flavor: str, compression
     image = catalog.get(target)
     lock_file = lock_path(settings.root)
     if image is not None:
-        entry = read_lock(lock_file).entry(image.name, flavor)
-        if entry is None:
-            raise ConfigError(f"{image.name}/{flavor} has not been pushed, so there is no "
-                              "digest to convert", hint=f"imgpipe push {image.name}")
-        ref = Reference.parse(entry.pinned)
+        ref = read_lock(lock_file).require(image.name, flavor, "to convert").reference
         options = squash_options(settings, image.spec.squashfs_compression, compression)
     else:
         ref = Reference.parse(target, default_registry=settings.registry.address)

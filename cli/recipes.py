@@ -25,14 +25,16 @@ def _profiles_dir(settings: Settings) -> Path | None:
     return settings.path(folder) if folder else None
 
 
-def _pin(settings: Settings, image: str, flavor: str) -> str | None:
-    """The squashfs file of the image's pushed digest when it exists, else the digest."""
-    entry = read_lock(lock_path(settings.root)).entry(image, flavor)
+def _pin(settings: Settings, image: str, flavor: str, required: bool = True) -> str | None:
+    """The squashfs file of the image's pushed digest when it exists, else the digest;
+    None for an image never pushed that the recipes can do without (``required=False``)."""
+    lock = read_lock(lock_path(settings.root))
+    entry = (lock.require(image, flavor, "to pin (or pass --image)") if required
+             else lock.entry(image, flavor))
     if entry is None:
         return None
-    if entry.squashfs and Path(entry.squashfs).is_file():
-        return entry.squashfs
-    return entry.pinned
+    squashfs = entry.squashfs_file()
+    return str(squashfs) if squashfs else str(entry.reference)
 
 
 def _refuse_loopback(pinned: str, profile_name: str) -> None:
@@ -123,10 +125,7 @@ def render(ctx: click.Context, profile_name: str, nodes: int, phase: str, output
                           hint="pass --flavor ngc (or --flavor cpu to mean it), or set "
                           "default_flavor: ngc in imgpipe.yaml")
     flavor = flavor or settings.default_flavor
-    pinned = image or _pin(settings, "bert", flavor)
-    if pinned is None:
-        raise ConfigError(f"imgpipe.lock has no pushed bert/{flavor} to pin",
-                          hint="imgpipe build bert && imgpipe push (or pass --image)")
+    pinned = image or _pin(settings, "bert", flavor) or ""
     _refuse_loopback(pinned, profile.name)
     extra = {}
     for item in env:
@@ -137,7 +136,7 @@ def render(ctx: click.Context, profile_name: str, nodes: int, phase: str, output
     recipes_cfg = settings.recipes
     inputs = RecipeInputs(
         profile=profile, nodes=nodes, image=pinned, runtime=runtime,
-        nccl_image=_pin(settings, "nccl-tests", "ngc") if profile.is_gpu else None,
+        nccl_image=_pin(settings, "nccl-tests", "ngc", required=False) if profile.is_gpu else None,
         data_dir=recipes_cfg.data_dir, checkpoint_dir=recipes_cfg.checkpoint_dir,
         results_dir=recipes_cfg.results_dir, dataset_source=recipes_cfg.dataset_source,
         vocab=recipes_cfg.vocab, bert_config=recipes_cfg.bert_config,
@@ -161,11 +160,9 @@ def _bundle_target(settings: Settings, name: str | None, tag: str | None) -> Ref
     """NAME[:TAG] in the configured registry; default: bert's repository, -recipes, its tag."""
     if name:
         return Reference.parse(name, default_registry=settings.registry.address)
-    entry = read_lock(lock_path(settings.root)).entry("bert", settings.default_flavor)
-    if entry is None:
-        raise ConfigError("imgpipe.lock has no pushed bert image to publish recipes beside",
-                          hint="pass NAME:TAG, or push bert first")
-    repository = entry.repository.split("/", 1)[1]
+    entry = read_lock(lock_path(settings.root)).require(
+        "bert", settings.default_flavor, "to publish the recipes beside (or pass --name)")
+    repository = entry.reference.repository
     return Reference.parse(f"{repository}-recipes:{tag or entry.tags[0]}",
                            default_registry=settings.registry.address)
 

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from imgpipe.base.errors import ConfigError
 from imgpipe.base.files import atomic_write
+from imgpipe.registry.reference import Reference
 
 LOCK_NAME = "imgpipe.lock"
 LOCK_VERSION = 1
@@ -44,6 +45,18 @@ class LockEntry(BaseModel):
     def pinned(self) -> str:
         return f"{self.repository}@{self.digest}"
 
+    @property
+    def reference(self) -> Reference:
+        """The pushed manifest, pinned by digest: what conversions and recipes use."""
+        return Reference.parse(self.pinned)
+
+    def squashfs_file(self) -> Path | None:
+        """The squashfs file recorded for this digest, when it is still a regular file."""
+        if not self.squashfs:
+            return None
+        path = Path(self.squashfs)
+        return path if path.is_file() and not path.is_symlink() else None
+
 
 class LockFile(BaseModel):
     version: int = LOCK_VERSION
@@ -51,6 +64,22 @@ class LockFile(BaseModel):
 
     def entry(self, name: str, flavor: str) -> LockEntry | None:
         return self.images.get(name, {}).get(flavor)
+
+    def require(self, name: str, flavor: str, wanted_for: str) -> LockEntry:
+        """The entry of ``name``/``flavor``; NotPushedError (one message for every caller,
+        ``wanted_for`` saying what needed it) when it was never pushed."""
+        entry = self.entry(name, flavor)
+        if entry is None:
+            raise NotPushedError(f"imgpipe.lock has no pushed {name}/{flavor} {wanted_for}",
+                                 hint=f"imgpipe build {name} --flavor {flavor} && imgpipe push "
+                                 f"{name} --flavor {flavor}")
+        return entry
+
+
+class NotPushedError(ConfigError):
+    """An image the command needs has no digest in imgpipe.lock (exit 2)."""
+
+    code = "not-pushed"
 
 
 def lock_path(root: Path) -> Path:
