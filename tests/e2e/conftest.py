@@ -82,7 +82,8 @@ def bert_cpu(tmp_path_factory: pytest.TempPathFactory, registry_server: services
     from tests.cluster import shared_folder
 
     project = tmp_path_factory.mktemp("bert-project")
-    shutil.copytree(Path(__file__).parent.parent / "images" / "bert", project / "images" / "bert")
+    repository = Path(__file__).resolve().parents[2]
+    shutil.copytree(repository / "images" / "bert", project / "images" / "bert")
     squashfs = shared_folder("imgpipe-squashfs-")
     (project / "imgpipe.yaml").write_text(yaml.safe_dump({
         "registry": {"port": registry_server.port},
