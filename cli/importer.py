@@ -137,7 +137,7 @@ def get(uri: str) -> Path:
     from imgpipe.base.config import load_settings
     from imgpipe.commands.wiring import registry_client, storage
     from imgpipe.enroot.convert import convert
-    from imgpipe.enroot.squash import SquashOptions
+    from imgpipe.enroot.squash import SquashOptions, compression_of
     from imgpipe.registry.reference import Reference
 
     settings = load_settings(_config_file())
@@ -145,7 +145,7 @@ def get(uri: str) -> Path:
     enroot = settings.enroot
     conversion = convert(
         registry_client(settings), storage(settings), ref,
-        SquashOptions(enroot.default_compression, enroot.zstd_level,
+        SquashOptions(compression_of(enroot.default_compression), enroot.zstd_level,
                       enroot.processors),
         say=lambda text: print(f"imgpipe: {text}", file=sys.stderr, flush=True),
         connections=enroot.max_connections)

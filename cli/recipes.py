@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
+from typing import cast
 
 import click
 
@@ -15,7 +16,7 @@ from imgpipe.commands.wiring import registry_client, registry_credentials
 from imgpipe.pipeline.lock import lock_path, read_lock
 from imgpipe.recipes.profiles import load_profile
 from imgpipe.recipes.render import RecipeInputs, render_bundle
-from imgpipe.recipes.runtimes import RUNTIMES
+from imgpipe.recipes.runtimes import RUNTIMES, Runtime
 from imgpipe.recipes.scaling import table as shape_table
 from imgpipe.registry.reference import Reference
 
@@ -135,7 +136,7 @@ def render(ctx: click.Context, profile_name: str, nodes: int, phase: str, output
         extra[name] = value
     recipes_cfg = settings.recipes
     inputs = RecipeInputs(
-        profile=profile, nodes=nodes, image=pinned, runtime=runtime,
+        profile=profile, nodes=nodes, image=pinned, runtime=cast(Runtime, runtime),  # a Choice
         nccl_image=_pin(settings, "nccl-tests", "ngc", required=False) if profile.is_gpu else None,
         data_dir=recipes_cfg.data_dir, checkpoint_dir=recipes_cfg.checkpoint_dir,
         results_dir=recipes_cfg.results_dir, dataset_source=recipes_cfg.dataset_source,

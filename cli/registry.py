@@ -96,8 +96,9 @@ def status(ctx: click.Context) -> Result:
         return Result(data, lines, ok=False)
     data.update(reachable=True, repositories=len(repositories), tags=tags)
     lines.append("reachable: yes")
-    if data["storage_bytes"] is not None:
-        lines.append(f"storage:  {human_bytes(data['storage_bytes'])} in {local.data_dir}")
+    stored = data["storage_bytes"]
+    if isinstance(stored, int):
+        lines.append(f"storage:  {human_bytes(stored)} in {local.data_dir}")
     lines.append(f"content:  {len(repositories)} repositories, {tags} tags")
     return Result(data, lines)
 

@@ -57,7 +57,8 @@ def imgpipe(*args: str, capture: bool = False) -> dict[str, Any]:
     if done.returncode:
         sys.stderr.write(done.stderr + done.stdout)
         raise SystemExit(f"error: imgpipe {' '.join(args)} failed")
-    return json.loads(done.stdout)["data"]
+    data: dict[str, Any] = json.loads(done.stdout)["data"]
+    return data
 
 
 def state_path() -> Path:
@@ -66,7 +67,8 @@ def state_path() -> Path:
 
 def load_state() -> dict[str, Any]:
     try:
-        return json.loads(state_path().read_text())
+        state: dict[str, Any] = json.loads(state_path().read_text())
+        return state
     except (OSError, ValueError):
         return {}
 

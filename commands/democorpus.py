@@ -51,7 +51,7 @@ def documents() -> Iterator[tuple[str, list[str]]]:
                 yield str(path), paragraphs
 
 
-def assemble(folder: Path, megabytes: float) -> dict:
+def assemble(folder: Path, megabytes: float) -> dict[str, int]:
     """Write about ``megabytes`` of text into ``folder`` as part_NNNN.txt; returns sizes."""
     folder.mkdir(parents=True, exist_ok=True)
     wanted = int(megabytes * 1e6)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from imgpipe.base.config import Settings
-from imgpipe.enroot.squash import SquashOptions
+from imgpipe.enroot.squash import SquashOptions, compression_of
 from imgpipe.enroot.storage import Storage
 from imgpipe.registry.auth import (
     Credentials,
@@ -40,7 +40,7 @@ def squash_options(settings: Settings, image_choice: str | None = None,
     """Compression: the command line's, else the image's, else the site's."""
     enroot = settings.enroot
     compression = override or image_choice or enroot.default_compression
-    return SquashOptions(compression, enroot.zstd_level, enroot.processors)
+    return SquashOptions(compression_of(compression), enroot.zstd_level, enroot.processors)
 
 
 def local_registry(settings: Settings) -> LocalRegistry:

@@ -26,7 +26,14 @@ from imgpipe.enroot.errors import (
     NoSpaceError,
 )
 from imgpipe.enroot.fetch import MAX_CONNECTIONS, FetchedImage, fetch_blob_cached, fetch_image
-from imgpipe.enroot.flatten import LayerCounts, LayerSource, merge, write_stream, write_tree
+from imgpipe.enroot.flatten import (
+    LayerCounts,
+    LayerSource,
+    MergedView,
+    merge,
+    write_stream,
+    write_tree,
+)
 from imgpipe.enroot.rcfiles import rc_files
 from imgpipe.enroot.squash import SquashOptions, squash_stream, squash_tree
 from imgpipe.enroot.storage import Storage
@@ -47,6 +54,25 @@ class Conversion:
     fetched_bytes: int = 0
     entries: int = 0
     layers: list[LayerCounts] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Target:
+    """One conversion under way: the reference, its digest, where the file goes, how it is
+    squashed, who hears about progress, and since when."""
+
+    ref: Reference
+    digest: str
+    final: Path
+    options: SquashOptions
+    say: Callable[[str], None]
+    started: float
+
+    def result(self, converted: bool, fetched_bytes: int = 0, entries: int = 0,
+               layers: list[LayerCounts] | None = None) -> Conversion:
+        return Conversion(str(self.ref), self.digest, self.final, converted,
+                          time.monotonic() - self.started, self.final.stat().st_size,
+                          self.options.compression, fetched_bytes, entries, layers or [])
 
 
 def require_served(ref: Reference, address: str) -> None:
@@ -96,31 +122,30 @@ def convert(client: RegistryClient, storage: Storage, ref: Reference,
                               time.monotonic() - started, existing.stat().st_size,
                               options.compression)
     digest = resolve_digest(client, ref)
-    final = storage.squashfs(ref.repository, digest, options.compression)
-    if final.exists():
-        return Conversion(str(ref), digest, final, False, time.monotonic() - started,
-                          final.stat().st_size, options.compression)
+    target = _Target(ref, digest, storage.squashfs(ref.repository, digest, options.compression),
+                     options, say, started)
+    if target.final.exists():
+        return target.result(converted=False)
     with storage.lock(digest, on_wait=say):
-        if final.exists():  # another process converted it while we waited
-            return Conversion(str(ref), digest, final, False, time.monotonic() - started,
-                              final.stat().st_size, options.compression)
+        if target.final.exists():  # another process converted it while we waited
+            return target.result(converted=False)
         removed = storage.clean_stale(digest)
         if removed:
             say(f"removed {removed} leftover(s) of an interrupted conversion")
         if with_enroot:
-            return _convert_with_enroot(client, ref, digest, final, options, say, started)
-        return _convert_locked(client, storage, ref, digest, final, options, say, started,
-                               connections)
+            return _convert_with_enroot(client, target)
+        return _convert_locked(client, storage, target, connections)
 
 
-def _convert_with_enroot(client, ref, digest, final, options, say, started) -> Conversion:
+def _convert_with_enroot(client: RegistryClient, target: _Target) -> Conversion:
     from imgpipe.enroot.delegate import enroot_import
 
-    say(f"enroot import {ref.repository}@{digest[:19]}")
-    with atomic_path(final, mode=0o644, create=False) as tmp:  # enroot refuses existing files
-        enroot_import(ref, digest, tmp, options, client.base_url.split("://")[0])
-    return Conversion(str(ref), digest, final, True, time.monotonic() - started,
-                      final.stat().st_size, options.compression)
+    target.say(f"enroot import {target.ref.repository}@{target.digest[:19]}")
+    # enroot refuses to write over an existing file: the temporary name must not exist yet
+    with atomic_path(target.final, mode=0o644, create=False) as tmp:
+        enroot_import(target.ref, target.digest, tmp, target.options,
+                      client.base_url.split("://")[0])
+    return target.result(converted=True)
 
 
 # Layer media types a conversion accepts (OCI and Docker schema 2); anything else, such as
@@ -150,21 +175,16 @@ def layer_sources(image: FetchedImage) -> list[LayerSource]:
             for layer, diff_id in zip(image.layers, diff_ids, strict=True)]
 
 
-def _convert_locked(client, storage, ref, digest, final, options, say,
-                    started, connections: int = MAX_CONNECTIONS) -> Conversion:
-    fetched_total = [0]
-
-    def count(n: int) -> None:
-        fetched_total[0] += n
-
-    needed = _space_needed(client, storage, ref.repository, digest)
+def _convert_locked(client: RegistryClient, storage: Storage, target: _Target,
+                    connections: int = MAX_CONNECTIONS) -> Conversion:
+    repository, digest, say = target.ref.repository, target.digest, target.say
+    needed = _space_needed(client, storage, repository, digest)
     free = shutil.disk_usage(storage.root).free
     if free < needed:
         raise NoSpaceError(storage.root, needed, free)
-    say(f"fetch {ref.repository}@{digest[:19]}")
+    say(f"fetch {repository}@{digest[:19]}")
     try:
-        image = fetch_image(client, storage, ref.repository, digest, on_bytes=count,
-                            connections=connections)
+        image = fetch_image(client, storage, repository, digest, connections=connections)
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             raise NoSpaceError(storage.root, needed,
@@ -178,11 +198,10 @@ def _convert_locked(client, storage, ref, digest, final, options, say,
                 say(f"merge {len(layers)} layer(s)")
                 view = merge(layers, rc_files(image.config))
                 if work is None:
-                    tree_bytes = view.file_bytes if options.tool == "mksquashfs" else 0
+                    tree_bytes = view.file_bytes if target.options.tool == "mksquashfs" else 0
                     work = storage.work_dir(digest, tree_bytes)
                 try:
-                    return _squash_and_publish(ref, digest, final, options, say, started,
-                                               image, layers, view, work)
+                    return _squash_and_publish(target, image, layers, view, work)
                 except (OSError, ConvertError) as exc:
                     if _out_of_space(exc):
                         raise NoSpaceError(storage.root, needed,
@@ -194,15 +213,15 @@ def _convert_locked(client, storage, ref, digest, final, options, say,
                     raise
                 if work is None:
                     work = storage.work_dir(digest)
-                layers = _fetch_again(client, storage, ref.repository, layers, spoiled, work,
-                                      say)
+                layers = _fetch_again(client, storage, repository, layers, spoiled, work, say)
         raise AssertionError("unreachable")
     finally:
         if work is not None:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def _space_needed(client, storage, repository: str, digest: str) -> int:
+def _space_needed(client: RegistryClient, storage: Storage, repository: str, digest: str
+                  ) -> int:
     """Bytes a conversion will write into the folder: the blobs not cached yet, and the
     squashfs, estimated at the compressed size of all layers (zstd's is smaller; lz4's and
     uncompressed ones larger: this is a floor that catches the hopeless cases early)."""
@@ -228,8 +247,9 @@ def _spoiled_blobs(layers: list[LayerSource], exc: Exception) -> set[str]:
             if f"sha256:{file_sha256(layer.path)}" != layer.digest}
 
 
-def _fetch_again(client, storage, repository: str, layers: list[LayerSource],
-                 spoiled: set[str], work: Path, say) -> list[LayerSource]:
+def _fetch_again(client: RegistryClient, storage: Storage, repository: str,
+                 layers: list[LayerSource], spoiled: set[str], work: Path,
+                 say: Callable[[str], None]) -> list[LayerSource]:
     """Evict the spoiled cache entries and fetch them once more.  An entry another user owns
     (the shared folder is sticky) cannot be removed: this conversion then uses a private copy
     in its work area, and says whose file is bad."""
@@ -253,11 +273,13 @@ def _fetch_again(client, storage, repository: str, layers: list[LayerSource],
     return fresh
 
 
-def _squash_and_publish(ref, digest, final, options, say, started, image, layers, view,
-                        work) -> Conversion:
+def _squash_and_publish(target: _Target, image: FetchedImage, layers: list[LayerSource],
+                        view: MergedView, work: Path) -> Conversion:
+    """Squash the merged view into a temporary name beside the final one, sync, rename."""
+    options = target.options
     written = [0]
-    say(f"squash with {options.compression} ({options.tool})")
-    with atomic_path(final, mode=0o644) as tmp:
+    target.say(f"squash with {options.compression} ({options.tool})")
+    with atomic_path(target.final, mode=0o644) as tmp:
         if options.tool == "tar2sqfs":
             squash_stream(lambda out: written.__setitem__(0, write_stream(view, layers, out)),
                           tmp, options)
@@ -266,6 +288,5 @@ def _squash_and_publish(ref, digest, final, options, say, started, image, layers
                         tmp, options, work)
         with open(tmp, "rb") as handle:
             os.fsync(handle.fileno())  # the file is complete on disk before it is visible
-    return Conversion(str(ref), digest, final, True, time.monotonic() - started,
-                      final.stat().st_size, options.compression, image.fetched_bytes,
-                      written[0], view.counts)
+    return target.result(converted=True, fetched_bytes=image.fetched_bytes, entries=written[0],
+                         layers=view.counts)

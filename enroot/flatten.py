@@ -45,7 +45,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, BinaryIO, Protocol, cast
+from typing import IO, Any, BinaryIO, Protocol, cast
 
 import zstandard
 from isal import igzip
@@ -126,7 +126,7 @@ class _HashingFile(io.RawIOBase):
         self.count += len(data)
         return data
 
-    def readinto(self, buffer) -> int:
+    def readinto(self, buffer: Any) -> int:
         data = self.read(len(buffer))
         buffer[:len(data)] = data
         return len(data)
@@ -216,7 +216,8 @@ def open_layer(path: Path, verify: bool = True) -> ForwardReader:
     handle.seek(0)
     compressed = _HashingFile(handle, hashing=verify)
     if magic[:2] == b"\x1f\x8b":
-        raw: BinaryIO = igzip.IGzipFile(fileobj=compressed, mode="rb")  # type: ignore[assignment]
+        raw: BinaryIO = igzip.IGzipFile(  # type: ignore[no-untyped-call,assignment]
+            fileobj=compressed, mode="rb")
     elif magic == b"\x28\xb5\x2f\xfd":
         raw = zstandard.ZstdDecompressor().stream_reader(
             compressed, read_across_frames=True)  # type: ignore[arg-type]
@@ -499,7 +500,7 @@ def flattened(view: MergedView, layers: list[LayerSource]) -> Iterator[Item]:
     for path, node in sorted(view.nodes.items()):
         if node.entry is None and node.kind == "dir":
             yield Item(path, "dir", 0o755, 0)
-    kept: dict[Entry, tempfile.SpooledTemporaryFile] = {}
+    kept: dict[Entry, tempfile.SpooledTemporaryFile[bytes]] = {}
     try:
         for number, layer in enumerate(layers):
             with open_layer(layer.path) as source:
@@ -516,7 +517,8 @@ def flattened(view: MergedView, layers: list[LayerSource]) -> Iterator[Item]:
 
 def _layer_items(view: MergedView, number: int, layer: LayerSource, source: ForwardReader,
                  winners: set[Entry], by_entry: dict[Entry, str], data_owner: dict[Entry, str],
-                 orphans: set[Entry | None], kept: dict[Entry, tempfile.SpooledTemporaryFile]
+                 orphans: set[Entry | None],
+                 kept: dict[Entry, tempfile.SpooledTemporaryFile[bytes]]
                  ) -> Iterator[Item]:
     for index, member in enumerate(view.members[number]):
         entry = (number, index)

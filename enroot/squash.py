@@ -22,7 +22,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Literal
+from typing import IO, Literal, cast, get_args
 
 from imgpipe.base import process
 from imgpipe.base.errors import CommandError
@@ -30,6 +30,15 @@ from imgpipe.base.process import last_line, require
 from imgpipe.enroot.errors import ConvertError
 
 Compression = Literal["zstd", "lz4", "lzo-enroot", "none"]
+COMPRESSIONS: tuple[str, ...] = get_args(Compression)
+
+
+def compression_of(text: str) -> Compression:
+    """``text`` as a compression, or ConvertError naming the ones there are."""
+    if text not in COMPRESSIONS:
+        raise ConvertError(f"unknown squashfs compression {text!r}",
+                           hint="one of " + ", ".join(COMPRESSIONS))
+    return cast(Compression, text)
 ENROOT_OPTIONS = ["-comp", "lzo", "-noD"]
 # A 1 MiB pipe instead of Linux's 64 KiB: measured on the bert image, the stream into
 # tar2sqfs took 15.9 s through the default pipe and 8.7 s through this one.

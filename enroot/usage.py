@@ -18,6 +18,7 @@ import re
 import socket
 import stat
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,7 +94,7 @@ def entries(storage: Storage) -> list[Entry]:
 
 
 @contextlib.contextmanager
-def _locked_now(storage: Storage, squashfs: Path):
+def _locked_now(storage: Storage, squashfs: Path) -> Iterator[bool]:
     """The digest's lock if it is free at once, else None (never waits)."""
     match = SQSH_DIGEST.search(squashfs.name)
     if match is None:

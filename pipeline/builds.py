@@ -140,7 +140,7 @@ class BaseResolver:
         try:
             if self._engine is None:
                 self._engine = docker.from_env(timeout=30)
-            return "image-id:" + self._engine.images.get(ref).id
+            return "image-id:" + str(self._engine.images.get(ref).id)
         except docker.errors.DockerException:
             return None
 

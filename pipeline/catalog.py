@@ -85,7 +85,7 @@ class ImageSpec(_Strict):
 
     @field_validator("flavors")
     @classmethod
-    def _some_flavor(cls, value: dict) -> dict:
+    def _some_flavor(cls, value: dict[str, Flavor]) -> dict[str, Flavor]:
         if not value:
             raise ValueError("at least one flavor (ngc or cpu) is needed")
         return value

@@ -11,6 +11,7 @@ several runs.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 SRUN_PREFIX = re.compile(r"^\s*\d+:\s?")
@@ -29,7 +30,7 @@ SETTING_KEYS = {"nThread": r"nThread\s+(\S+)", "nGpus": r"nGpus\s+(\S+)",
                 "iters": r"(?<!warmup )(?<!agg )iters:\s*(\S+)",
                 "agg_iters": r"agg iters:\s*(\S+)", "validation": r"validation:\s*(\S+)",
                 "graph": r"graph:\s*(\S+)"}
-FACTORS = {
+FACTORS: dict[str, Callable[[int], float]] = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,

@@ -69,7 +69,7 @@ def load_profile(name: str, site_dir: Path | None = None) -> Profile:
     if site_dir is not None and (site_dir / f"{name}.yaml").is_file():
         path = site_dir / f"{name}.yaml"
         return _parse(path.read_text(), str(path))
-    shipped = resources.files("imgpipe.recipes").joinpath("profiles", f"{name}.yaml")
+    shipped = resources.files("imgpipe.recipes").joinpath("profile_files", f"{name}.yaml")
     if shipped.is_file():
         return _parse(shipped.read_text(), f"profiles/{name}.yaml")
     known = sorted(set(SHIPPED) | {p.stem for p in (site_dir.glob("*.yaml") if site_dir

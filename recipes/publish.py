@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
+from typing import Any
 
 from imgpipe.recipes.errors import RecipeError
 from imgpipe.registry.auth import Credentials
@@ -20,7 +21,7 @@ ARTIFACT_ANNOTATION = "org.imgpipe.recipes"
 
 
 def _oras(registry: str, scheme: str, credentials: Credentials | None,
-          ca_file: str | None):
+          ca_file: str | None) -> Any:
     import oras.client  # imported on use: only publish and pull need it
 
     client = oras.client.OrasClient(hostname=registry, insecure=scheme == "http",

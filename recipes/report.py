@@ -70,7 +70,7 @@ def read_results(folder: Path) -> Results:
     return found
 
 
-def _figure(title: str, ylabel: str):
+def _figure(title: str, ylabel: str) -> tuple[Any, Any, Any]:
     import matplotlib
 
     matplotlib.use("Agg")

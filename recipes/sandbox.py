@@ -425,10 +425,9 @@ class Sandbox:
             _stop_group(pid, signal.SIGKILL)
         _kill_marked(f"SLURM_CONF={self.conf}".encode())
         for namespace in state.namespaces:
-            pids = _ip("netns", "pids", namespace, check=False).stdout.split()
-            for pid in pids:
+            for listed in _ip("netns", "pids", namespace, check=False).stdout.split():
                 with contextlib.suppress(ProcessLookupError, ValueError):
-                    os.kill(int(pid), signal.SIGKILL)
+                    os.kill(int(listed), signal.SIGKILL)
             _ip("netns", "del", namespace, check=False)
         for link in state.links:
             _ip("link", "del", link, check=False)

@@ -86,7 +86,8 @@ def credentials_from_netrc(address: str, path: Path | None = None) -> Credential
 def parse_challenge(header: str) -> tuple[str, dict[str, str]]:
     """``Bearer realm="x",service="y"`` -> ``("bearer", {"realm": "x", ...})``."""
     scheme, _, rest = header.strip().partition(" ")
-    return scheme.lower(), {k: v or "" for k, v in parse_dict_header(rest).items()}
+    params: dict[str, str | None] = parse_dict_header(rest)  # type: ignore[no-untyped-call]
+    return scheme.lower(), {k: v or "" for k, v in params.items()}
 
 
 class Authenticator:
@@ -157,7 +158,7 @@ class Authenticator:
         except ValueError as exc:
             raise AuthError(f"token endpoint {realm} did not answer JSON") from exc
         token = body.get("token") or body.get("access_token")
-        if not token:
+        if not isinstance(token, str) or not token:
             raise AuthError(f"token endpoint {realm} answered without a token")
         self._tokens[key] = token
         log.debug("got a token for scope %r from %s", key[2], realm)

@@ -67,11 +67,14 @@ class Manifest:
 
     @property
     def body(self) -> dict[str, Any]:
-        return json.loads(self.raw)
+        parsed = json.loads(self.raw)
+        if not isinstance(parsed, dict):
+            raise RegistryError("a manifest that is not a JSON object")
+        return parsed
 
     @property
     def config_digest(self) -> str:
-        return self.body["config"]["digest"]
+        return str(self.body["config"]["digest"])
 
     @property
     def layers(self) -> list[dict[str, Any]]:
@@ -81,7 +84,8 @@ class Manifest:
     def size(self) -> int:
         """Bytes of config and layers (what the image takes in the registry)."""
         body = self.body
-        return body.get("config", {}).get("size", 0) + sum(x.get("size", 0) for x in self.layers)
+        return int(body.get("config", {}).get("size", 0)) + sum(int(x.get("size", 0))
+                                                               for x in self.layers)
 
 
 def sha256_digest(data: bytes) -> str:
@@ -168,7 +172,8 @@ class RegistryClient:
             raise self._status_error(method, url, response)
         return response
 
-    def _send(self, method, url, headers, params, stream) -> requests.Response:
+    def _send(self, method: str, url: str, headers: dict[str, str],
+              params: dict[str, str] | None, stream: bool) -> requests.Response:
         try:
             return self.session.request(
                 method, url, headers=headers, params=params, stream=stream,
@@ -404,5 +409,6 @@ def select_platform(index: dict[str, Any], platform: Platform) -> dict[str, Any]
             f"no image for {platform.os}/{platform.architecture} in the index "
             f"(it offers {', '.join(offered) or 'nothing'})"
         )
-    return candidates[0]
+    chosen: dict[str, Any] = candidates[0]
+    return chosen
 
