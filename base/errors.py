@@ -11,6 +11,7 @@ Hierarchy::
     │   └── NotPushedError          imgpipe.pipeline.lock: no digest for an image a command needs
     ├── CommandError                an external program failed (argv, exit code, stderr)
     │   └── ToolMissingError        the program is not installed (hint names the package)
+    ├── EngineError                 imgpipe.base.engine: the Docker engine is down or refused
     ├── RegistryError               imgpipe.registry.errors: method, URL, status, error code
     │   ├── AuthError               credentials missing or refused
     │   ├── DigestMismatchError     bytes did not hash to the digest asked for

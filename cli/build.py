@@ -8,16 +8,16 @@ from typing import Any
 
 import click
 
+from imgpipe.base import engine
 from imgpipe.base.config import Settings
+from imgpipe.base.engine import Engine, EngineError, find_build_client
 from imgpipe.base.errors import ConfigError, ImgpipeError
-from imgpipe.base.process import stream
 from imgpipe.base.progress import Progress, choose_mode
 from imgpipe.cli.clikit import CONTEXT, invocation, reporting, settings_of
 from imgpipe.cli.output import Result
 from imgpipe.commands.wiring import registry_client
 from imgpipe.pipeline.builds import BaseResolver, build_item, make_plan, read_records, skipped
 from imgpipe.pipeline.catalog import Image, load_catalog, select
-from imgpipe.pipeline.engine import find_build_client
 from imgpipe.pipeline.gitinfo import revision
 from imgpipe.pipeline.lock import lock_path, read_lock
 from imgpipe.pipeline.plan import PlanItem
@@ -230,10 +230,9 @@ def run_selftest(settings: Settings, image: Image, flavor: str, progress: Progre
     client = find_build_client(settings.docker.client, settings.docker.host)
     progress.step(f"self-test {image.name}/{flavor}: {' '.join(image.spec.selftest)}")
     try:
-        done = stream([client.path, "run", "--rm", "--network=none", record.image_id,
-                       *image.spec.selftest], progress.detail,
-                      timeout=settings.build.selftest_timeout_s,
-                      what=f"self-test of {image.name}/{flavor}")
+        done = engine.run_in_container(client, record.image_id, list(image.spec.selftest),
+                                       progress.detail, settings.build.selftest_timeout_s,
+                                       f"self-test of {image.name}/{flavor}")
     finally:
         progress.done()
     return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else "passed"
@@ -274,9 +273,6 @@ def mirror(ctx: click.Context, source: str, dest: str | None) -> Result:
       imgpipe mirror nvcr.io/nvidia/pytorch:24.05-py3
       imgpipe build bert --flavor ngc --base 127.0.0.1:5000/nvidia/pytorch:24.05-py3
     """
-    import docker
-    import docker.errors
-
     settings = settings_of(ctx)
     src = Reference.parse(source, default_registry="docker.io")
     target = Reference.parse(dest or f"{src.repository}:{src.tag or 'latest'}",
@@ -286,24 +282,20 @@ def mirror(ctx: click.Context, source: str, dest: str | None) -> Result:
                           hint="give DEST as repository:tag")
     registry = registry_client(settings)
     registry.ping()
-    engine = docker.from_env(timeout=600)
+    docker_engine = Engine(settings.docker.host, timeout=600)
     progress = Progress(choose_mode(invocation(ctx).json))
-    try:
-        image = engine.images.get(source)
-    except docker.errors.ImageNotFound:
+    if docker_engine.image_id(source) is None:
         progress.step(f"pull {source}")
         try:
-            image = engine.images.pull(source)
-        except docker.errors.DockerException as exc:
-            why = getattr(exc, "explanation", None) or str(exc)
-            raise ImgpipeError(f"cannot pull {source}: {why}",
+            docker_engine.pull(source)
+        except EngineError as exc:
+            raise ImgpipeError(exc.message,
                                hint="docker login to its registry, or check the name") from exc
-    image.tag(f"{target.registry}/{target.repository}", target.tag)
+    docker_engine.tag(source, f"{target.registry}/{target.repository}", target.tag or "latest")
     client = find_build_client(settings.docker.client, settings.docker.host)
     progress.step(f"push {target}")
     try:
-        stream([client.path, "push", str(target)], progress.detail, timeout=3600,
-               what=f"push of {target}")
+        engine.push(client, str(target), progress.detail)
     finally:
         progress.done()
     digest = registry.manifest_digest(target.repository, target.reference)

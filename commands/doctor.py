@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Literal
 
 from imgpipe.base.config import Settings
+from imgpipe.base.engine import docker_clients, probe_client
 from imgpipe.base.errors import ImgpipeError
 from imgpipe.base.process import which
 from imgpipe.base.units import human_bytes
-from imgpipe.pipeline.engine import docker_clients, probe_client
 
 Verdict = Literal["ok", "warn", "missing"]
 MIN_FREE_BYTES = 20 * 1024**3

@@ -10,7 +10,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from imgpipe.base.errors import ImgpipeError
+from imgpipe.base.engine import Engine
 from imgpipe.base.process import run
 
 DEFAULT_TAG = "imgpipe/debian-python:bookworm"
@@ -18,20 +18,17 @@ DEFAULT_MIRROR = "http://deb.debian.org/debian"
 DEFAULT_PACKAGES = ("python3", "python3-venv", "ca-certificates")
 
 
-def image_exists(docker: str, tag: str) -> bool:
-    return run([docker, "image", "inspect", tag], check=False, timeout=60).returncode == 0
-
-
 def ensure_base_image(
     tag: str = DEFAULT_TAG,
     suite: str = "bookworm",
     mirror: str = DEFAULT_MIRROR,
     packages: tuple[str, ...] = DEFAULT_PACKAGES,
-    docker: str = "docker",
+    engine: Engine | None = None,
     rebuild: bool = False,
 ) -> tuple[str, bool]:
     """Return (tag, created): debootstrap and import unless ``tag`` already exists."""
-    if not rebuild and image_exists(docker, tag):
+    engine = engine or Engine(timeout=600)
+    if not rebuild and engine.image_id(tag) is not None:
         return tag, False
     with tempfile.TemporaryDirectory(prefix="imgpipe-rootfs-") as work:
         root = Path(work) / "root"
@@ -44,9 +41,5 @@ def ensure_base_image(
         tarball = Path(work) / "root.tar"
         run(["tar", "-C", str(root), "--numeric-owner", "-cf", str(tarball), "."],
             timeout=600, what="tar of the root filesystem")
-        run([docker, "import", "--change", 'CMD ["/bin/bash"]',
-             "--change", "ENV LANG=C.UTF-8", str(tarball), tag],
-            timeout=600, what=f"docker import {tag}")
-    if not image_exists(docker, tag):
-        raise ImgpipeError(f"{tag} is missing after import")
+        engine.import_tarball(tarball, tag, ['CMD ["/bin/bash"]', "ENV LANG=C.UTF-8"])
     return tag, True

@@ -14,17 +14,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
 from imgpipe.base.config import Settings
+from imgpipe.base.engine import BuildClient, Engine, EngineError
 from imgpipe.base.errors import ConfigError, ImgpipeError
 from imgpipe.base.files import atomic_write
 from imgpipe.base.progress import Progress
 from imgpipe.pipeline.catalog import Image
 from imgpipe.pipeline.context import stage_context
-from imgpipe.pipeline.engine import BuildClient
 from imgpipe.pipeline.gitinfo import Revision
 from imgpipe.pipeline.lock import LockFile
 from imgpipe.pipeline.plan import PlanItem, plan_image
@@ -116,7 +115,7 @@ class BaseResolver:
                  registry_for: Callable[[str], RegistryClient]) -> None:
         self.settings = settings
         self.registry_for = registry_for
-        self._engine: Any = None  # the docker SDK's client, made on first use
+        self._engine = Engine(settings.docker.host)
         self._cache: dict[str, str | None] = {}
 
     def __call__(self, ref: str) -> str | None:
@@ -135,14 +134,11 @@ class BaseResolver:
                     return digest
             except ImgpipeError:
                 pass
-        import docker  # the SDK is slow to import; only builds need it
-
         try:
-            if self._engine is None:
-                self._engine = docker.from_env(timeout=30)
-            return "image-id:" + str(self._engine.images.get(ref).id)
-        except docker.errors.DockerException:
+            image_id = self._engine.image_id(ref)
+        except EngineError:
             return None
+        return None if image_id is None else "image-id:" + image_id
 
 
 def make_plan(settings: Settings, images: list[Image], flavor: str, lock: LockFile, *,
@@ -168,7 +164,7 @@ def build_item(settings: Settings, client: BuildClient, item: PlanItem,
                revision: Revision | None, progress: Progress, *, wheels_dir: Path | None,
                secret_overrides: dict[str, Path], cache: bool = True) -> BuildOutcome:
     """Build one planned image and record it for push."""
-    from imgpipe.pipeline.build import BuildRequest, run_build  # python-on-whales: slow import
+    from imgpipe.base.engine import BuildRequest, run_build
 
     if item.base_digest is None:
         base = item.build_args["BASE_IMAGE"]

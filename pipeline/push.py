@@ -12,11 +12,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from imgpipe.base import engine
+from imgpipe.base.engine import BuildClient, Engine
 from imgpipe.base.errors import ImgpipeError
-from imgpipe.base.process import stream
 from imgpipe.base.progress import Progress
 from imgpipe.pipeline.builds import BuildRecord
-from imgpipe.pipeline.engine import BuildClient
 from imgpipe.pipeline.lock import LockEntry, updating_lock
 from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.errors import RegistryError
@@ -37,33 +37,25 @@ class PushOutcome:
         return f"{self.repository}@{self.digest}"
 
 
-def ensure_local(record: BuildRecord) -> None:
-    import docker  # the SDK is slow to import; only push needs it
-
-    try:
-        docker.from_env(timeout=30).images.get(record.image_id)
-    except docker.errors.ImageNotFound:
+def ensure_local(engine: Engine, record: BuildRecord) -> None:
+    if engine.image_id(record.image_id) is None:
         raise ImgpipeError(
             f"the image built for {record.image}/{record.flavor} ({record.image_id[:19]}) is no "
             "longer in the Docker engine",
             hint=f"build it again: imgpipe build {record.image} --force",
-        ) from None
-    except docker.errors.DockerException as exc:
-        raise ImgpipeError("no Docker engine answers",
-                           hint="start one: ./setup.sh demo, or dockerd &") from exc
+        )
 
 
 def push_record(client: BuildClient, registry: RegistryClient, record: BuildRecord,
                 lock_file: Path, progress: Progress) -> PushOutcome:
     """Push every tag of ``record``, verify the digest, and record it in the lock."""
-    ensure_local(record)
+    ensure_local(Engine(client.docker_host), record)
     repo_path = record.repository.split("/", 1)[1]
     started = time.monotonic()
     progress.step(f"push {record.image}/{record.flavor} -> {record.repository}")
     try:
         for tag in record.tags:
-            stream([client.path, "push", f"{record.repository}:{tag}"], progress.detail,
-                   timeout=3600, what=f"push of {record.repository}:{tag}")
+            engine.push(client, f"{record.repository}:{tag}", progress.detail)
     finally:
         progress.done()
     digests = {tag: registry.manifest_digest(repo_path, tag) for tag in record.tags}

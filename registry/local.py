@@ -22,7 +22,6 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -31,6 +30,7 @@ import yaml
 
 from imgpipe.base import process
 from imgpipe.base.config import RegistryConfig, Settings
+from imgpipe.base.engine import Engine, EngineError
 from imgpipe.base.errors import ImgpipeError
 from imgpipe.base.files import atomic_write
 from imgpipe.base.process import which
@@ -76,7 +76,7 @@ def port_in_use(host: str, port: int) -> bool:
 class LocalRegistry:
     """Lifecycle of the registry that serves ``settings.registry``."""
 
-    def __init__(self, settings: Settings, docker_client_factory: Callable[[], Any] | None = None):
+    def __init__(self, settings: Settings, engine: Engine | None = None):
         self.settings = settings
         self.config: RegistryConfig = settings.registry
         server = self.config.server
@@ -85,8 +85,7 @@ class LocalRegistry:
         self.tls_cert = settings.path(server.tls_cert).resolve() if server.tls_cert else None
         self.tls_key = settings.path(server.tls_key).resolve() if server.tls_key else None
         self.htpasswd = settings.path(server.htpasswd).resolve() if server.htpasswd else None
-        self._docker_factory = docker_client_factory or _docker_from_env
-        self._docker: Any = None
+        self.engine = engine or Engine(settings.docker.host)
 
     # -- paths ------------------------------------------------------------------------------
 
@@ -141,31 +140,21 @@ class LocalRegistry:
 
     # -- state ------------------------------------------------------------------------------
 
-    def _engine(self) -> Any | None:
-        if self._docker is None:
-            self._docker = self._docker_factory()
-        return self._docker or None
-
-    def _required_engine(self) -> Any:
+    def _required_engine(self) -> Engine:
         """The engine a container-mode registry runs on; a clear error when none answers."""
-        engine = self._engine()
-        if engine is None:
+        if not self.engine.answers():
             raise LocalRegistryError("the Docker engine does not answer, and container mode "
                                      "needs it", hint="start dockerd, or set "
                                      "registry.server.mode: binary")
-        return engine
+        return self.engine
 
     def _container(self) -> Any | None:
-        import docker.errors
-
-        engine = self._engine()
-        if engine is None:
+        """The registry's container (the SDK's object), None without one or an engine."""
+        if not self.engine.answers():
             return None
         try:
-            return engine.containers.get(self.config.server.container_name)
-        except docker.errors.NotFound:
-            return None
-        except docker.errors.DockerException:
+            return self.engine.container(self.config.server.container_name)
+        except EngineError:
             return None
 
     def _pid(self) -> int | None:
@@ -214,23 +203,15 @@ class LocalRegistry:
         )
 
     def _image_available(self) -> bool:
-        import docker.errors
-
-        engine = self._engine()
-        if engine is None:
+        if not self.engine.answers():
             return False
         image = self.config.server.image
         try:
-            engine.images.get(image)
+            if self.engine.image_id(image) is not None:
+                return True
+            self.engine.pull(image)
             return True
-        except docker.errors.ImageNotFound:
-            pass
-        except docker.errors.DockerException:
-            return False
-        try:
-            engine.images.pull(image)
-            return True
-        except docker.errors.DockerException:
+        except EngineError:
             return False
 
     def up(self) -> tuple[ServerState, bool]:
@@ -316,7 +297,6 @@ class LocalRegistry:
         self._proc = proc
 
     def _start_container(self) -> None:
-        import docker.errors
         engine = self._required_engine()
         atomic_write(self.config_file, self.render_config("container"), mode=0o644)
         volumes = {
@@ -333,17 +313,17 @@ class LocalRegistry:
         if stale is not None:
             stale.remove(force=True)
         try:
-            engine.containers.run(
+            engine.start_container(
                 self.config.server.image,
                 name=name,
-                detach=True,
                 network_mode="host",
                 restart_policy={"Name": "unless-stopped"},
                 volumes=volumes,
                 labels={"org.imgpipe.role": "registry"},
             )
-        except docker.errors.DockerException as exc:
-            raise LocalRegistryError(f"cannot start the registry container: {exc}") from exc
+        except EngineError as exc:
+            raise LocalRegistryError(f"cannot start the registry container: {exc.message}"
+                                     ) from exc
 
     def _wait_until_ready(self, mode: Mode) -> None:
         deadline = time.monotonic() + START_DEADLINE_S
@@ -443,24 +423,23 @@ class LocalRegistry:
                                      hint=f"see {self.log_file}")
 
     def _gc_container(self, delete_untagged: bool) -> None:
-        import docker.errors
         atomic_write(self.config_file, self.render_config("container"), mode=0o644)
         command = ["garbage-collect", CONTAINER_CONFIG]
         if delete_untagged:
             command.append("--delete-untagged")
         try:
-            output = self._required_engine().containers.run(
+            output = self._required_engine().run_to_end(
                 self.config.server.image,
-                command=command,
-                remove=True,
+                command,
                 network_mode="none",
                 volumes={
                     str(self.data_dir): {"bind": CONTAINER_DATA, "mode": "rw"},
                     str(self.config_file): {"bind": CONTAINER_CONFIG, "mode": "ro"},
                 },
             )
-        except docker.errors.DockerException as exc:
-            raise LocalRegistryError(f"garbage collection failed: {_short(str(exc))}") from exc
+        except EngineError as exc:
+            raise LocalRegistryError(f"garbage collection failed: {_short(exc.message)}"
+                                     ) from exc
         with open(self.log_file, "ab") as log:
             log.write(output or b"")
 
@@ -471,18 +450,6 @@ def _binary() -> str | None:
         if path:
             return path
     return None
-
-
-def _docker_from_env() -> Any:
-    """A docker SDK client when an engine answers, else False (no engine)."""
-    import docker  # slow to import: only the registry's container mode needs it
-
-    try:
-        client = docker.from_env(timeout=30)
-        client.ping()
-        return client
-    except docker.errors.DockerException:
-        return False
 
 
 def _terminate(pid: int) -> None:

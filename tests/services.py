@@ -88,7 +88,7 @@ def ensure_base_image() -> str:
     """A Debian bookworm image with Python, made by debootstrap once per machine."""
     from imgpipe.pipeline.baseimage import ensure_base_image as make
 
-    return make(BASE_IMAGE, mirror=DEBIAN_MIRROR, docker=DOCKER)[0]
+    return make(BASE_IMAGE, mirror=DEBIAN_MIRROR)[0]
 
 
 @dataclass
