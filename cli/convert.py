@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import click
 
-from imgpipe.base.config import Settings
-from imgpipe.base.files import file_sha256
 from imgpipe.base.progress import Progress, choose_mode
 from imgpipe.base.units import human_bytes
 from imgpipe.cli.clikit import CONTEXT, invocation, parsed_by, reporting, settings_of
 from imgpipe.cli.output import Result
-from imgpipe.commands.wiring import registry_client, squash_options, storage
-from imgpipe.enroot.convert import Conversion, convert
+from imgpipe.commands.convert import convert_and_record
+from imgpipe.enroot.convert import Conversion
 from imgpipe.enroot.nodeconfig import (
     PYXIS_SO_CANDIDATES,
     detect_pyxis,
@@ -20,46 +18,8 @@ from imgpipe.enroot.nodeconfig import (
     parse_version,
     render,
 )
-from imgpipe.pipeline.catalog import load_catalog
-from imgpipe.pipeline.lock import lock_path, read_lock, updating_lock
-from imgpipe.registry.reference import Reference
 
 COMPRESSION = click.Choice(["zstd", "lz4", "lzo-enroot", "none"])
-
-
-def convert_and_record(settings: Settings, target: str, flavor: str, compression: str | None,
-                       with_enroot: bool, progress: Progress) -> Conversion:
-    """Convert an image of the catalog (pinned by imgpipe.lock) or any reference."""
-    is_name = "/" not in target and ":" not in target and "@" not in target
-    catalog = (load_catalog(settings)
-               if is_name and settings.path(settings.images_dir).is_dir() else {})
-    image = catalog.get(target)
-    lock_file = lock_path(settings.root)
-    if image is not None:
-        ref = read_lock(lock_file).require(image.name, flavor, "to convert").reference
-        options = squash_options(settings, image.spec.squashfs_compression, compression)
-    else:
-        ref = Reference.parse(target, default_registry=settings.registry.address)
-        options = squash_options(settings, None, compression)
-    conversion = convert(registry_client(settings), storage(settings), ref, options,
-                         say=progress.step, with_enroot=with_enroot,
-                         connections=settings.enroot.max_connections)
-    if conversion.converted and settings.enroot.cache_max_size:
-        from imgpipe.base.units import parse_size
-        from imgpipe.enroot.usage import prune
-
-        pruned = prune(storage(settings), max_size=parse_size(settings.enroot.cache_max_size))
-        if pruned.removed:
-            progress.step(f"pruned {len(pruned.removed)} cache entries "
-                          f"({pruned.freed} bytes) to stay under enroot.cache_max_size")
-    if image is not None:
-        checksum = "sha256:" + file_sha256(conversion.path)
-        with updating_lock(lock_file) as lock:
-            current = lock.entry(image.name, flavor)
-            if current is not None and current.digest == conversion.digest:
-                current.squashfs = str(conversion.path)
-                current.squashfs_sha256 = checksum
-    return conversion
 
 
 def _lines(conversion: Conversion) -> list[str]:

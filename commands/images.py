@@ -1,0 +1,212 @@
+"""The image operations: plan, build, push, self-test, mirror, and what CI runs per merge.
+
+Each takes the settings (and a progress display the CLI chose) and returns a result
+dataclass; the CLI only parses options and renders.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from imgpipe.base import engine
+from imgpipe.base.config import Settings
+from imgpipe.base.engine import Engine, EngineError, find_build_client
+from imgpipe.base.errors import ConfigError, ImgpipeError
+from imgpipe.base.progress import Progress
+from imgpipe.commands.wiring import registry_client
+from imgpipe.pipeline.builds import (
+    BaseResolver,
+    BuildOutcome,
+    build_item,
+    make_plan,
+    read_records,
+    skipped,
+)
+from imgpipe.pipeline.catalog import Image, load_catalog, select
+from imgpipe.pipeline.gitinfo import revision
+from imgpipe.pipeline.lock import lock_path, read_lock
+from imgpipe.pipeline.plan import PlanItem
+from imgpipe.pipeline.push import PushOutcome, push_record
+from imgpipe.registry.client import RegistryClient
+from imgpipe.registry.reference import Reference
+
+SECRET_NAMES = ("ca_bundle", "pip_config", "ngc_api_key")
+
+
+@dataclass(frozen=True)
+class ImagePlan:
+    """What a build would do: one item per image of the flavor, and the images left out."""
+
+    items: list[PlanItem]
+    without: list[tuple[Image, str]]  # (image, why it is left out)
+    flavor: str
+    wheels_dir: Path | None
+
+
+@dataclass(frozen=True)
+class Built:
+    outcomes: list[BuildOutcome]
+    engine_called: bool
+
+
+@dataclass(frozen=True)
+class Mirrored:
+    source: str
+    target: Reference
+    digest: str | None
+
+
+@dataclass(frozen=True)
+class Merged:
+    """What `imgpipe ci` did: nothing when every image was up to date."""
+
+    built: list[BuildOutcome] = field(default_factory=list)
+    pushed: list[PushOutcome] = field(default_factory=list)
+
+
+def _registry_for(settings: Settings) -> Callable[[str], RegistryClient]:
+    def make(address: str) -> RegistryClient:
+        if address == settings.registry.address:
+            return registry_client(settings)
+        return RegistryClient(f"https://{address}", retries=0, timeout=(3.0, 10.0))
+    return make
+
+
+def plan_images(settings: Settings, images: tuple[str, ...], flavor: str | None,
+                build_args: dict[str, str], base: str | None, wheels_dir: Path | None,
+                force: bool = False) -> ImagePlan:
+    """Which images of the catalog need a build in ``flavor`` (default: the site's), and why."""
+    flavor = flavor or settings.default_flavor
+    chosen = select(load_catalog(settings), images)
+    without = [(image, f"no {flavor} flavor") for image in chosen
+               if flavor not in image.spec.flavors]
+    if images and without:
+        image = without[0][0]
+        raise ConfigError(f"image {image.name} has no {flavor} flavor (it has "
+                          f"{', '.join(image.spec.flavors)})", hint="pass --flavor")
+    buildable = [image for image in chosen if flavor in image.spec.flavors]
+    wheels = wheels_dir or (settings.path(settings.build.wheels_dir)
+                            if settings.build.wheels_dir else None)
+    lock = read_lock(lock_path(settings.root))
+    items = make_plan(settings, buildable, flavor, lock, overrides=build_args,
+                      base_override=base, wheels_dir=wheels,
+                      resolver=BaseResolver(settings, _registry_for(settings)), force=force)
+    return ImagePlan(items, without, flavor, wheels)
+
+
+def build_images(settings: Settings, plan: ImagePlan, secrets: dict[str, Path],
+                 progress: Progress, cache: bool = True) -> Built:
+    """Build every planned item that is not up to date; the engine is not called otherwise."""
+    unknown = set(secrets) - set(SECRET_NAMES)
+    if unknown:
+        raise ConfigError(f"unknown secret {sorted(unknown)[0]!r}",
+                          hint="one of " + ", ".join(SECRET_NAMES))
+    outcomes = []
+    client = None
+    rev = revision(settings.path(settings.images_dir))
+    for item in plan.items:
+        if item.action == "up to date":
+            progress.step(f"{item.key}: up to date ({item.reason})")
+            outcomes.append(skipped(item))
+            continue
+        client = client or find_build_client(settings.docker.client, settings.docker.host)
+        outcomes.append(build_item(settings, client, item, rev, progress,
+                                   wheels_dir=plan.wheels_dir, secret_overrides=secrets,
+                                   cache=cache))
+    return Built(outcomes, client is not None)
+
+
+def push_images(settings: Settings, images: tuple[str, ...], progress: Progress
+                ) -> list[PushOutcome]:
+    """Push the builds (of ``images``, or all) whose inputs the lock does not hold yet."""
+    records = read_records(settings)
+    lock = read_lock(lock_path(settings.root))
+    if images:
+        select(load_catalog(settings), images)  # unknown names are an error
+        chosen = [r for r in records.values() if r.image in images]
+        missing = sorted(set(images) - {r.image for r in chosen})
+        if missing:
+            raise ImgpipeError(f"{missing[0]} has not been built here",
+                               hint=f"imgpipe build {missing[0]}")
+    else:
+        chosen = list(records.values())
+    pending = [r for r in chosen
+               if (e := lock.entry(r.image, r.flavor)) is None or e.input_hash != r.input_hash]
+    if not pending:
+        return []
+    registry = registry_client(settings)
+    registry.ping()
+    client = find_build_client(settings.docker.client, settings.docker.host)
+    return [push_record(client, registry, record, lock_path(settings.root), progress)
+            for record in pending]
+
+
+def run_selftest(settings: Settings, image: Image, flavor: str, progress: Progress) -> str:
+    """The image's self-test in a container of its last build (no network); its last line."""
+    record = read_records(settings).get(f"{image.name}/{flavor}")
+    if record is None:
+        raise ImgpipeError(f"{image.name}/{flavor} has not been built here",
+                           hint=f"imgpipe build {image.name} --flavor {flavor}")
+    if not image.spec.selftest:
+        return "no self-test defined"
+    client = find_build_client(settings.docker.client, settings.docker.host)
+    progress.step(f"self-test {image.name}/{flavor}: {' '.join(image.spec.selftest)}")
+    try:
+        done = engine.run_in_container(client, record.image_id, list(image.spec.selftest),
+                                       progress.detail, settings.build.selftest_timeout_s,
+                                       f"self-test of {image.name}/{flavor}")
+    finally:
+        progress.done()
+    return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else "passed"
+
+
+def mirror_image(settings: Settings, source: str, dest: str | None, progress: Progress
+                 ) -> Mirrored:
+    """Pull ``source`` (unless the engine has it), tag it into the configured registry, push."""
+    src = Reference.parse(source, default_registry="docker.io")
+    target = Reference.parse(dest or f"{src.repository}:{src.tag or 'latest'}",
+                             default_registry=settings.registry.address)
+    if target.registry != settings.registry.address:
+        raise ConfigError(f"DEST must be in the configured registry {settings.registry.address}",
+                          hint="give DEST as repository:tag")
+    registry = registry_client(settings)
+    registry.ping()
+    docker_engine = Engine(settings.docker.host, timeout=600)
+    if docker_engine.image_id(source) is None:
+        progress.step(f"pull {source}")
+        try:
+            docker_engine.pull(source)
+        except EngineError as exc:
+            raise ImgpipeError(exc.message,
+                               hint="docker login to its registry, or check the name") from exc
+    docker_engine.tag(source, f"{target.registry}/{target.repository}", target.tag or "latest")
+    client = find_build_client(settings.docker.client, settings.docker.host)
+    progress.step(f"push {target}")
+    try:
+        engine.push(client, str(target), progress.detail)
+    finally:
+        progress.done()
+    return Mirrored(source, target, registry.manifest_digest(target.repository, target.reference))
+
+
+def ci_merge(settings: Settings, flavor: str | None, wheels_dir: Path | None,
+             progress: Progress) -> Merged:
+    """Plan, build what changed, self-test, push, lock: what CI runs on every merge."""
+    plan = plan_images(settings, (), flavor, {}, None, wheels_dir)
+    todo = [item for item in plan.items if item.action == "build"]
+    if not todo:
+        return Merged()
+    registry = registry_client(settings)
+    registry.ping()  # fail before an hour of building, not after
+    client = find_build_client(settings.docker.client, settings.docker.host)
+    rev = revision(settings.path(settings.images_dir))
+    built = [build_item(settings, client, item, rev, progress, wheels_dir=plan.wheels_dir,
+                        secret_overrides={}) for item in todo]
+    for item in todo:
+        run_selftest(settings, item.image, plan.flavor, progress)
+    records = read_records(settings)
+    pushed = [push_record(client, registry, records[item.key], lock_path(settings.root),
+                          progress) for item in todo]
+    return Merged(built, pushed)
