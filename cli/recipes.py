@@ -8,46 +8,11 @@ from typing import cast
 
 import click
 
-from imgpipe.base.config import Settings
-from imgpipe.base.errors import ConfigError
 from imgpipe.cli.clikit import CONTEXT, reporting, settings_of
 from imgpipe.cli.output import Result
-from imgpipe.commands.wiring import registry_client, registry_credentials
-from imgpipe.pipeline.lock import lock_path, read_lock
-from imgpipe.recipes.profiles import load_profile
-from imgpipe.recipes.render import RecipeInputs, render_bundle
+from imgpipe.commands.recipes import publish_recipes, pull_recipes, render_recipes, site_profile
 from imgpipe.recipes.runtimes import RUNTIMES, Runtime
 from imgpipe.recipes.scaling import table as shape_table
-from imgpipe.registry.reference import Reference
-
-
-def _profiles_dir(settings: Settings) -> Path | None:
-    folder = settings.recipes.profiles_dir
-    return settings.path(folder) if folder else None
-
-
-def _pin(settings: Settings, image: str, flavor: str, required: bool = True) -> str | None:
-    """The squashfs file of the image's pushed digest when it exists, else the digest;
-    None for an image never pushed that the recipes can do without (``required=False``)."""
-    lock = read_lock(lock_path(settings.root))
-    entry = (lock.require(image, flavor, "to pin (or pass --image)") if required
-             else lock.entry(image, flavor))
-    if entry is None:
-        return None
-    squashfs = entry.squashfs_file()
-    return str(squashfs) if squashfs else str(entry.reference)
-
-
-def _refuse_loopback(pinned: str, profile_name: str) -> None:
-    """Compute nodes pull from the registry themselves: 127.0.0.1 is each node's own."""
-    if pinned.startswith(("/", "./")) or profile_name == "local":
-        return
-    host = Reference.parse(pinned).registry.rsplit(":", 1)[0].strip("[]")
-    if host in ("localhost", "::1") or host.startswith("127."):
-        raise ConfigError(f"the pinned image {pinned} is on {host}, which compute nodes "
-                          "cannot reach",
-                          hint="set registry.host in imgpipe.yaml to the head node's name, "
-                          "push again, or convert it and pin the squashfs file")
 
 
 @click.group(context_settings=CONTEXT)
@@ -75,7 +40,7 @@ def table(ctx: click.Context, profile_name: str, max_nodes: int) -> Result:
     shape converges like the published recipe.
     """
     settings = settings_of(ctx)
-    profile = load_profile(profile_name, _profiles_dir(settings))
+    profile = site_profile(settings, profile_name)
     shapes = shape_table(profile, max_nodes)
     lines = [f"{'nodes':>5} {'gpus':>5} {'phase':>5} {'global':>7} {'per-gpu':>7} "
              f"{'micro':>5} {'accum':>5} {'lr':>7} {'warmup':>7} {'steps':>6}  config"]
@@ -120,33 +85,16 @@ def render(ctx: click.Context, profile_name: str, nodes: int, phase: str, output
       imgpipe recipes render --profile dgx1 --nodes 16 --phase 1 -o /lustre/bert/recipes
     """
     settings = settings_of(ctx)
-    profile = load_profile(profile_name, _profiles_dir(settings))
-    if flavor is None and image is None and profile.is_gpu and settings.default_flavor == "cpu":
-        raise ConfigError(f"{profile.name} is a GPU profile but the default flavor is cpu",
-                          hint="pass --flavor ngc (or --flavor cpu to mean it), or set "
-                          "default_flavor: ngc in imgpipe.yaml")
-    flavor = flavor or settings.default_flavor
-    pinned = image or _pin(settings, "bert", flavor) or ""
-    _refuse_loopback(pinned, profile.name)
     extra = {}
     for item in env:
         name, sep, value = item.partition("=")
         if not sep:
             raise click.BadParameter(f"{item!r} is not NAME=VALUE", param_hint="--env")
         extra[name] = value
-    recipes_cfg = settings.recipes
-    inputs = RecipeInputs(
-        profile=profile, nodes=nodes, image=pinned, runtime=cast(Runtime, runtime),  # a Choice
-        nccl_image=_pin(settings, "nccl-tests", "ngc", required=False) if profile.is_gpu else None,
-        data_dir=recipes_cfg.data_dir, checkpoint_dir=recipes_cfg.checkpoint_dir,
-        results_dir=recipes_cfg.results_dir, dataset_source=recipes_cfg.dataset_source,
-        vocab=recipes_cfg.vocab, bert_config=recipes_cfg.bert_config,
-        partition=recipes_cfg.partition,
-        walltime_minutes=recipes_cfg.walltime_minutes, env=extra,
-        adjust_global_batch=adjust_global_batch)
-    folder = output or settings.path(settings.outputs.recipes_dir) / f"{profile.name}-{nodes}n"
     phases = (1, 2) if phase == "both" else (int(phase),)
-    bundle = render_bundle(inputs, folder, phases)
+    folder, bundle = render_recipes(settings, site_profile(settings, profile_name), nodes,
+                                    cast(Runtime, runtime),  # a click.Choice of RUNTIMES
+                                    phases, output, image, flavor, extra, adjust_global_batch)
     lines = [f"rendered {len(bundle.files)} files in {folder} (image {bundle.image})"]
     lines += [f"  {p.name}" for p in bundle.files]
     for shape in bundle.shapes:
@@ -155,17 +103,6 @@ def render(ctx: click.Context, profile_name: str, nodes: int, phase: str, output
                      f"{folder / 'run.sub'}")
     return Result({"folder": folder, "files": bundle.files, "image": bundle.image,
                    "shapes": bundle.shapes}, lines)
-
-
-def _bundle_target(settings: Settings, name: str | None, tag: str | None) -> Reference:
-    """NAME[:TAG] in the configured registry; default: bert's repository, -recipes, its tag."""
-    if name:
-        return Reference.parse(name, default_registry=settings.registry.address)
-    entry = read_lock(lock_path(settings.root)).require(
-        "bert", settings.default_flavor, "to publish the recipes beside (or pass --name)")
-    repository = entry.reference.repository
-    return Reference.parse(f"{repository}-recipes:{tag or entry.tags[0]}",
-                           default_registry=settings.registry.address)
 
 
 @recipes.command(context_settings=CONTEXT)
@@ -180,14 +117,7 @@ def publish(ctx: click.Context, folder: Path, name: str | None) -> Result:
     Example:
       imgpipe recipes render --profile dgx1 --nodes 16 -o out && imgpipe recipes publish out
     """
-    from imgpipe.recipes.publish import publish as push_bundle
-
-    settings = settings_of(ctx)
-    target = _bundle_target(settings, name, None)
-    registry = settings.registry
-    names = push_bundle(folder, target, registry.scheme, registry_credentials(settings),
-                        str(settings.path(registry.ca_file)) if registry.ca_file else None)
-    digest = registry_client(settings).manifest_digest(target.repository, target.reference)
+    target, digest, names = publish_recipes(settings_of(ctx), folder, name)
     return Result({"target": str(target), "digest": digest, "files": names},
                   [f"published {len(names)} files to {target} ({digest})"])
 
@@ -204,13 +134,6 @@ def pull(ctx: click.Context, name: str, output: Path) -> Result:
     Example:
       imgpipe recipes pull imgpipe/bert-recipes:0.1.0 -o ~/bert && cat ~/bert/bundle.json
     """
-    from imgpipe.recipes.publish import pull as fetch_bundle
-
-    settings = settings_of(ctx)
-    target = Reference.parse(name, default_registry=settings.registry.address)
-    registry = settings.registry
-    paths = fetch_bundle(target, output, registry_client(settings), registry.scheme,
-                         registry_credentials(settings),
-                         str(settings.path(registry.ca_file)) if registry.ca_file else None)
+    target, paths = pull_recipes(settings_of(ctx), name, output)
     return Result({"target": str(target), "files": paths},
                   [f"pulled {target} into {output}:"] + [f"  {p.name}" for p in paths])

@@ -1,0 +1,109 @@
+"""The recipe operations: render a bundle pinned to what imgpipe.lock recorded, publish it
+beside the image as an OCI artifact, pull one on the cluster."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from imgpipe.base.config import Settings
+from imgpipe.base.errors import ConfigError
+from imgpipe.commands.wiring import registry_client, registry_credentials
+from imgpipe.pipeline.lock import lock_path, read_lock
+from imgpipe.recipes.profiles import Profile, load_profile
+from imgpipe.recipes.render import Bundle, RecipeInputs, render_bundle
+from imgpipe.recipes.runtimes import Runtime
+from imgpipe.registry.reference import Reference
+
+
+def profiles_dir(settings: Settings) -> Path | None:
+    folder = settings.recipes.profiles_dir
+    return settings.path(folder) if folder else None
+
+
+def site_profile(settings: Settings, name: str) -> Profile:
+    """A shipped profile, or one of the site's (recipes.profiles_dir)."""
+    return load_profile(name, profiles_dir(settings))
+
+
+def pin(settings: Settings, image: str, flavor: str, required: bool = True) -> str | None:
+    """The squashfs file of the image's pushed digest when it exists, else the digest;
+    None for an image never pushed that the recipes can do without (``required=False``)."""
+    lock = read_lock(lock_path(settings.root))
+    entry = (lock.require(image, flavor, "to pin (or pass --image)") if required
+             else lock.entry(image, flavor))
+    if entry is None:
+        return None
+    squashfs = entry.squashfs_file()
+    return str(squashfs) if squashfs else str(entry.reference)
+
+
+def refuse_loopback(pinned: str, profile_name: str) -> None:
+    """Compute nodes pull from the registry themselves: 127.0.0.1 is each node's own."""
+    if pinned.startswith(("/", "./")) or profile_name == "local":
+        return
+    host = Reference.parse(pinned).registry.rsplit(":", 1)[0].strip("[]")
+    if host in ("localhost", "::1") or host.startswith("127."):
+        raise ConfigError(f"the pinned image {pinned} is on {host}, which compute nodes "
+                          "cannot reach",
+                          hint="set registry.host in imgpipe.yaml to the head node's name, "
+                          "push again, or convert it and pin the squashfs file")
+
+
+def render_recipes(settings: Settings, profile: Profile, nodes: int, runtime: Runtime,
+                   phases: tuple[int, ...], output: Path | None, image: str | None,
+                   flavor: str | None, env: dict[str, str],
+                   adjust_global_batch: bool) -> tuple[Path, Bundle]:
+    """Render the bundle for ``nodes`` of ``profile``; the folder and what was written."""
+    if flavor is None and image is None and profile.is_gpu and settings.default_flavor == "cpu":
+        raise ConfigError(f"{profile.name} is a GPU profile but the default flavor is cpu",
+                          hint="pass --flavor ngc (or --flavor cpu to mean it), or set "
+                          "default_flavor: ngc in imgpipe.yaml")
+    flavor = flavor or settings.default_flavor
+    pinned = image or pin(settings, "bert", flavor) or ""
+    refuse_loopback(pinned, profile.name)
+    site = settings.recipes
+    inputs = RecipeInputs(
+        profile=profile, nodes=nodes, image=pinned, runtime=runtime,
+        nccl_image=pin(settings, "nccl-tests", "ngc", required=False) if profile.is_gpu else None,
+        data_dir=site.data_dir, checkpoint_dir=site.checkpoint_dir,
+        results_dir=site.results_dir, dataset_source=site.dataset_source,
+        vocab=site.vocab, bert_config=site.bert_config, partition=site.partition,
+        walltime_minutes=site.walltime_minutes, env=env,
+        adjust_global_batch=adjust_global_batch)
+    folder = output or settings.path(settings.outputs.recipes_dir) / f"{profile.name}-{nodes}n"
+    return folder, render_bundle(inputs, folder, phases)
+
+
+def bundle_target(settings: Settings, name: str | None, tag: str | None = None) -> Reference:
+    """NAME[:TAG] in the configured registry; default: bert's repository, -recipes, its tag."""
+    if name:
+        return Reference.parse(name, default_registry=settings.registry.address)
+    entry = read_lock(lock_path(settings.root)).require(
+        "bert", settings.default_flavor, "to publish the recipes beside (or pass --name)")
+    return Reference.parse(f"{entry.reference.repository}-recipes:{tag or entry.tags[0]}",
+                           default_registry=settings.registry.address)
+
+
+def publish_recipes(settings: Settings, folder: Path, name: str | None
+                    ) -> tuple[Reference, str | None, list[str]]:
+    """Push the bundle in ``folder``; (where, its manifest digest, the files)."""
+    from imgpipe.recipes.publish import publish as push_bundle  # oras: imported on use
+
+    target = bundle_target(settings, name)
+    registry = settings.registry
+    names = push_bundle(folder, target, registry.scheme, registry_credentials(settings),
+                        str(settings.path(registry.ca_file)) if registry.ca_file else None)
+    digest = registry_client(settings).manifest_digest(target.repository, target.reference)
+    return target, digest, names
+
+
+def pull_recipes(settings: Settings, name: str, output: Path) -> tuple[Reference, list[Path]]:
+    """Fetch the bundle ``name`` into ``output``; (what, the files written)."""
+    from imgpipe.recipes.publish import pull as fetch_bundle  # oras: imported on use
+
+    target = Reference.parse(name, default_registry=settings.registry.address)
+    registry = settings.registry
+    paths = fetch_bundle(target, output, registry_client(settings), registry.scheme,
+                         registry_credentials(settings),
+                         str(settings.path(registry.ca_file)) if registry.ca_file else None)
+    return target, paths
