@@ -15,7 +15,9 @@ import os
 import re
 import secrets
 import socket
+import stat
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 TMP_PREFIX = ".tmp-"
@@ -129,3 +131,36 @@ def atomic_write(final: str | os.PathLike[str], data: str | bytes, mode: int | N
             handle.flush()
             os.fsync(handle.fileno())
     return Path(final)
+
+
+SQUASHFS_MAGIC = b"hsqs"  # little-endian squashfs superblock
+
+
+@dataclass(frozen=True)
+class SquashfsPath:
+    """A squashfs file a job can start: an absolute path to a regular file (never a link)
+    that begins with the squashfs magic.  Made where the file is checked (a conversion, the
+    lock's record), carried as is to the recipes, which write it where Enroot or ch-run
+    reads it."""
+
+    path: Path
+
+    @classmethod
+    def checked(cls, path: str | os.PathLike[str]) -> SquashfsPath | None:
+        """``path`` when it is such a file here, else None."""
+        candidate = Path(path)
+        if not candidate.is_absolute():
+            return None
+        try:
+            info = candidate.lstat()
+            if not stat.S_ISREG(info.st_mode):
+                return None
+            with open(candidate, "rb") as handle:
+                if handle.read(4) != SQUASHFS_MAGIC:
+                    return None
+        except OSError:
+            return None
+        return cls(candidate)
+
+    def __str__(self) -> str:
+        return str(self.path)

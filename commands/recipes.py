@@ -7,6 +7,7 @@ from pathlib import Path
 
 from imgpipe.base.config import Settings
 from imgpipe.base.errors import ConfigError
+from imgpipe.base.files import SquashfsPath
 from imgpipe.commands.wiring import registry_client, registry_credentials
 from imgpipe.pipeline.lock import lock_path, read_lock
 from imgpipe.recipes.profiles import Profile, load_profile
@@ -25,7 +26,8 @@ def site_profile(settings: Settings, name: str) -> Profile:
     return load_profile(name, profiles_dir(settings))
 
 
-def pin(settings: Settings, image: str, flavor: str, required: bool = True) -> str | None:
+def pin(settings: Settings, image: str, flavor: str, required: bool = True
+        ) -> Reference | SquashfsPath | None:
     """The squashfs file of the image's pushed digest when it exists, else the digest;
     None for an image never pushed that the recipes can do without (``required=False``)."""
     lock = read_lock(lock_path(settings.root))
@@ -33,15 +35,18 @@ def pin(settings: Settings, image: str, flavor: str, required: bool = True) -> s
              else lock.entry(image, flavor))
     if entry is None:
         return None
-    squashfs = entry.squashfs_file()
-    return str(squashfs) if squashfs else str(entry.reference)
+    return entry.squashfs_file() or entry.reference
 
 
-def refuse_loopback(pinned: str, profile_name: str) -> None:
+def refuse_loopback(pinned: Reference | SquashfsPath | str, profile_name: str) -> None:
     """Compute nodes pull from the registry themselves: 127.0.0.1 is each node's own."""
-    if pinned.startswith(("/", "./")) or profile_name == "local":
+    if isinstance(pinned, SquashfsPath) or profile_name == "local":
         return
-    host = Reference.parse(pinned).registry.rsplit(":", 1)[0].strip("[]")
+    if isinstance(pinned, str):
+        if pinned.startswith(("/", "./")):
+            return
+        pinned = Reference.parse(pinned)
+    host = pinned.registry.rsplit(":", 1)[0].strip("[]")
     if host in ("localhost", "::1") or host.startswith("127."):
         raise ConfigError(f"the pinned image {pinned} is on {host}, which compute nodes "
                           "cannot reach",
@@ -59,7 +64,7 @@ def render_recipes(settings: Settings, profile: Profile, nodes: int, runtime: Ru
                           hint="pass --flavor ngc (or --flavor cpu to mean it), or set "
                           "default_flavor: ngc in imgpipe.yaml")
     flavor = flavor or settings.default_flavor
-    pinned = image or pin(settings, "bert", flavor) or ""
+    pinned = image or pin(settings, "bert", flavor) or ""  # required: never empty
     refuse_loopback(pinned, profile.name)
     site = settings.recipes
     inputs = RecipeInputs(

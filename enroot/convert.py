@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from imgpipe.base.files import atomic_path, file_sha256
+from imgpipe.base.files import SquashfsPath, atomic_path, file_sha256
 from imgpipe.enroot.errors import (
     BlobDigestError,
     ConvertError,
@@ -54,6 +54,11 @@ class Conversion:
     fetched_bytes: int = 0
     entries: int = 0
     layers: list[LayerCounts] = field(default_factory=list)
+
+    @property
+    def squashfs(self) -> SquashfsPath:
+        """The published file, as recipes pin it."""
+        return SquashfsPath(self.path)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from imgpipe.base.errors import ConfigError
-from imgpipe.base.files import atomic_write
+from imgpipe.base.files import SquashfsPath, atomic_write
 from imgpipe.registry.reference import Reference
 
 LOCK_NAME = "imgpipe.lock"
@@ -50,12 +50,10 @@ class LockEntry(BaseModel):
         """The pushed manifest, pinned by digest: what conversions and recipes use."""
         return Reference.parse(self.pinned)
 
-    def squashfs_file(self) -> Path | None:
-        """The squashfs file recorded for this digest, when it is still a regular file."""
-        if not self.squashfs:
-            return None
-        path = Path(self.squashfs)
-        return path if path.is_file() and not path.is_symlink() else None
+    def squashfs_file(self) -> SquashfsPath | None:
+        """The squashfs file recorded for this digest, when it still is one (a regular
+        file, not a link, with the squashfs magic)."""
+        return SquashfsPath.checked(self.squashfs) if self.squashfs else None
 
 
 class LockFile(BaseModel):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import jinja2
 
-from imgpipe.base.files import atomic_write
+from imgpipe.base.files import SquashfsPath, atomic_write
 from imgpipe.recipes.errors import RecipeError
 from imgpipe.recipes.ncclscript import check_program
 from imgpipe.recipes.profiles import Profile
@@ -36,9 +36,10 @@ SIGNAL_LEAD_S = 300
 class RecipeInputs:
     profile: Profile
     nodes: int
-    image: str  # squashfs path or a registry reference
+    # the lock's pin (a checked squashfs file, or the pushed digest), or what a user typed
+    image: Reference | SquashfsPath | str
     runtime: Runtime = "pyxis"
-    nccl_image: str | None = None
+    nccl_image: Reference | SquashfsPath | str | None = None
     data_dir: str = "/lustre/bert/data"
     checkpoint_dir: str = "/lustre/bert/checkpoints"
     results_dir: str = "/lustre/bert/results"
@@ -72,15 +73,20 @@ def _path(value: str, what: str) -> str:
     return value
 
 
-def pinned_image(image: str) -> str:
+def pinned_image(image: Reference | SquashfsPath | str) -> str:
     """A squashfs path as is; a reference checked and written in Enroot's form."""
-    if image.startswith(("/", "./")):
+    if isinstance(image, SquashfsPath):
+        return _path(str(image), "image path")
+    if isinstance(image, Reference):
+        ref = image
+    elif image.startswith(("/", "./")):
         return _path(image, "image path")
-    try:
-        ref = Reference.parse(image)
-    except ReferenceFormatError as exc:
-        raise RecipeError(f"image {image!r} is neither a squashfs path nor a reference",
-                          hint=exc.hint) from exc
+    else:
+        try:
+            ref = Reference.parse(image)
+        except ReferenceFormatError as exc:
+            raise RecipeError(f"image {image!r} is neither a squashfs path nor a reference",
+                              hint=exc.hint) from exc
     if ref.digest is None:
         raise RecipeError(f"image {image!r} is not pinned to a digest",
                           hint="recipes pin bytes, not names: push it, then render again")

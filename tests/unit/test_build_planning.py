@@ -128,3 +128,24 @@ def test_concurrent_lock_updates_lose_nothing(tmp_path: Path) -> None:
     with multiprocessing.get_context("fork").Pool(4) as pool:
         pool.starmap(_add_entry, [(str(path), n) for n in range(16)])
     assert sorted(read_lock(path).images) == sorted(f"image{n}" for n in range(16))
+
+
+def test_the_lock_pins_its_squashfs_file_only_while_it_is_one(tmp_path: Path) -> None:
+    from imgpipe.base.files import SquashfsPath
+    from imgpipe.registry.reference import Reference
+
+    made = tmp_path / "bert.sqsh"
+    entry = LockEntry(repository="head:5000/imgpipe/bert", tags=["0.1.0"],
+                      digest="sha256:" + "d" * 64, config_digest="c", input_hash="h",
+                      inputs={}, flavor="cpu", base="b", pushed_at="now", squashfs=str(made))
+    assert entry.squashfs_file() is None  # not there
+    made.write_bytes(b"not a squashfs")
+    assert entry.squashfs_file() is None
+    made.write_bytes(b"hsqs" + bytes(92))
+    assert entry.squashfs_file() == SquashfsPath(made)
+    made.rename(tmp_path / "real.sqsh")
+    made.symlink_to(tmp_path / "real.sqsh")
+    assert entry.squashfs_file() is None  # a link planted where the file was
+    assert entry.reference == Reference.parse(f"head:5000/imgpipe/bert@sha256:{'d' * 64}")
+    with pytest.raises(ConfigError, match="no pushed nccl/cpu to convert"):
+        LockFile(images={"bert": {"cpu": entry}}).require("nccl", "cpu", "to convert")
