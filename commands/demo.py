@@ -272,6 +272,13 @@ def run(args: argparse.Namespace) -> int:
                   "nodes": j.nodes, "elapsed": j.elapsed} for j in jobs],
         "pins": pins}, indent=1))
     made = imgpipe("report", str(results), capture=True)
+    print_summary(pins, jobs, made, recipes, time.monotonic() - started)
+    return 0
+
+
+def print_summary(pins: dict[str, str], jobs: list[Job], made: dict[str, Any], recipes: Path,
+                  seconds: float) -> None:
+    """Digests, each job's state and time, the losses, the NCCL verdict, where things are."""
     summary = made["summary"]
     say("summary")
     for key, value in pins.items():
@@ -289,8 +296,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  nccl             {summary['nccl']['line']}")
     print(f"  report           {made['report']}")
     print(f"  recipes          {recipes}")
-    print(f"  time             {time.monotonic() - started:.0f} s")
-    return 0
+    print(f"  time             {seconds:.0f} s")
 
 
 def main(argv: list[str] | None = None) -> int:
