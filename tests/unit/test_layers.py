@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+ROOTS = ("imgpipe.cli", "imgpipe.commands", "imgpipe.pipeline", "imgpipe.registry",
+         "imgpipe.enroot", "imgpipe.recipes", "imgpipe.base")
 LINT = [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; "
         "sys.exit(lint_imports_command())"]
 
@@ -49,3 +51,42 @@ allow_indirect_imports = true
     assert "0 kept, 2 broken" in done.stdout
     assert "imgpipe.registry.client -> imgpipe.base.files" in done.stdout
     assert "imgpipe.base.process -> subprocess" in done.stdout
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    """No cycle at module level either (the layers contract sees packages): a module-level
+    strongly connected component of more than one module fails, named."""
+    import grimp
+
+    graph = grimp.build_graph(*ROOTS)
+    edges = {m: {i for i in graph.find_modules_directly_imported_by(m)
+                 if i in graph.modules and i != m} for m in graph.modules}
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(module: str) -> None:  # Tarjan's strongly connected components
+        order[module] = low[module] = len(order)
+        stack.append(module)
+        for other in edges[module]:
+            if other not in order:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], order[other])
+        if low[module] == order[module]:
+            component = []
+            while True:
+                top = stack.pop()
+                component.append(top)
+                if top == module:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in sorted(graph.modules):
+        if module not in order:
+            visit(module)
+    assert cycles == []
+    assert len(graph.modules) > 60
