@@ -24,7 +24,8 @@ Hierarchy::
     └── RecipeError                 imgpipe.recipes.errors: rendering, publishing, pulling
         ├── ShapeError              a shape that cannot keep the global batch (exit 2)
         ├── ProfileError            an unknown or invalid profile (exit 2)
-        └── SandboxError            imgpipe.recipes.sandbox: the local cluster
+        ├── SandboxError            imgpipe.recipes.sandbox: the local cluster
+        └── ReportError             imgpipe.recipes.report: a results folder with nothing to show
 
 Subsystem errors live beside their subsystem (drawn here so the whole tree is
 in one place); import them from where they are defined.

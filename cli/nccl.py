@@ -74,8 +74,7 @@ def check_command(ctx: click.Context, log: Path, profile_name: str, nodes: int |
     if plot is not None:
         from imgpipe.recipes.plot import plot_busbw
 
-        plot_busbw(runs[-1], profile.busbw_gbs, plot,
-                   f"{runs[-1].collective} on {runs[-1].ranks} rank(s) - {profile.name}")
+        plot_busbw(runs[-1], verdicts[-1], plot, f"nccl-tests against profile {profile.name}")
         lines.append(f"plot: {plot}")
     failed = any(v.status == "fail" for v in verdicts)
     warned = any(v.status == "warn" for v in verdicts) or transport.status == "warn"

@@ -1,11 +1,22 @@
 """nccl-tests output: parsing, recomputing bandwidths, and judging them against a profile.
 
-Rows: ``size count type redop root | time algbw busbw #wrong`` out of place, then
-the same in place; time in µs, bandwidth in GB/s (1e9 bytes).  ``algbw = size /
-time`` and ``busbw = algbw × factor``, with all_reduce's factor 2(n−1)/n,
-reduce_scatter / all_gather / alltoall (n−1)/n, broadcast / reduce / sendrecv 1
-(n ranks).  Lines may carry srun's ``-l`` prefix (``12: ``); a log may hold
-several runs.
+Every vintage of the output is read, by its own column header (the ``# size count …``
+line before the rows):
+
+* 2.13 and newer: ``size count type redop root | time algbw busbw #wrong`` out of
+  place, then in place; ``#wrong`` an integer, or ``N/A`` when checking is off (``-c 0``);
+  2.19's per-iteration columns (``i_min i_max i_p99 i_cv%``) and trailing timestamps
+  are read past.
+* 2.0 to 2.12 (what DeepOps' validation guide shows): ``size count type redop`` (or
+  ``root`` for broadcast and reduce) ``| time algbw busbw error``, the error a float such
+  as ``0e+00`` or ``N/A``.
+* 1.x: ``bytes N type op | time algbw busbw res``, time in milliseconds.
+
+Time in µs (1.x's ms converted), bandwidth in GB/s (1e9 bytes).  ``algbw = size / time``
+and ``busbw = algbw × factor``, with all_reduce's factor 2(n−1)/n, reduce_scatter /
+all_gather / alltoall (n−1)/n, broadcast / reduce / sendrecv 1 (n ranks, counted from
+the ``# Rank N …`` device lines of any vintage).  Lines may carry srun's ``-l`` prefix
+(``12: ``); a log may hold several runs.
 """
 
 from __future__ import annotations
@@ -15,13 +26,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 SRUN_PREFIX = re.compile(r"^\s*\d+:\s?")
-ROW = re.compile(
-    r"^\s*(?P<size>\d+)\s+(?P<count>\d+)\s+(?P<type>\w+)\s+(?P<redop>\w+)\s+(?P<root>-?\d+)"
-    r"\s+(?P<t1>[\d.]+)\s+(?P<a1>[\d.]+)\s+(?P<b1>[\d.]+)\s+(?P<w1>\S+)"
-    r"\s+(?P<t2>[\d.]+)\s+(?P<a2>[\d.]+)\s+(?P<b2>[\d.]+)\s+(?P<w2>\S+)\s*$")
-RANK_LINE = re.compile(r"^#\s+Rank\s+(\d+)\s+Group")
-OOB = re.compile(r"^#\s*Out of bounds values\s*:\s*(\d+)\s*(OK|FAILED)")
-AVG = re.compile(r"^#\s*Avg bus bandwidth\s*:\s*([\d.]+)")
+RANK_LINE = re.compile(r"^#\s+Rank\s+(\d+)\b")
+# The column header: "# size count type redop root time algbw busbw #wrong time …",
+# "# bytes N type op time …" (1.x); the first column named time (or cputime) starts the
+# out-of-place columns.
+HEADER = re.compile(r"^#\s*(size|bytes)\s+(count|N)\s+type\b.*\balgbw\b")
+OOB = re.compile(r"^#?\s*Out of bounds values\s*:\s*(\d+)\s*(OK|FAILED)")
+AVG = re.compile(r"^#?\s*Avg bus bandwidth\s*:\s*([\d.eE+-]+)")
 START = re.compile(r"^#\s*Collective test starting:\s*(\S+)")
 SETTINGS = re.compile(r"^#\s*(nThread\s+.*)$")
 SETTING_KEYS = {"nThread": r"nThread\s+(\S+)", "nGpus": r"nGpus\s+(\S+)",
@@ -47,7 +58,9 @@ class Placement:
     time_us: float
     algbw: float
     busbw: float
-    wrong: int | None  # None when printed as N/A (-c 0)
+    wrong: int | None  # wrong elements (2.13+); None when printed as N/A (-c 0) or older
+    max_delta: float | None = None  # 1.x and 2.0-2.12: largest difference from the expected
+    time_error_us: float = 0.0  # half the last printed digit of the time (1.x prints ms)
 
 
 @dataclass
@@ -60,6 +73,57 @@ class Row:
     out_of_place: Placement
     in_place: Placement
     mismatches: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Columns:
+    """Where a vintage's row keeps what: the leading columns, the width of one placement
+    (time, algbw, busbw, wrong and any per-iteration statistics), the time unit."""
+
+    leading: tuple[str, ...] = ("size", "count", "type", "redop", "root")
+    per_placement: int = 4
+    time_to_us: float = 1.0
+    check: str = "#wrong"  # or "error" (2.0-2.12), "res" (1.x): a float, the largest delta
+
+    @classmethod
+    def from_header(cls, line: str) -> Columns:
+        names = line.lstrip("#").split()
+        first_time = next(i for i, name in enumerate(names) if name in ("time", "cputime"))
+        second_time = next((i for i, name in enumerate(names)
+                            if i > first_time and name in ("time", "cputime")), None)
+        width = (second_time - first_time) if second_time else 4
+        leading = tuple(names[:first_time])
+        return cls(leading, width, 1000.0 if leading[0] == "bytes" else 1.0,
+                   names[first_time + 3])
+
+    def row(self, line: str) -> Row | None:
+        """The row ``line`` holds, or None when it is not one of this layout's rows."""
+        tokens = line.split()
+        lead = len(self.leading)
+        if len(tokens) < lead + 2 * self.per_placement:
+            return None
+        try:
+            size, count = int(tokens[0]), int(tokens[1])
+            named = dict(zip(self.leading, tokens[:lead], strict=True))
+            first = self._placement(tokens[lead:lead + 4])
+            second = self._placement(tokens[lead + self.per_placement:
+                                            lead + self.per_placement + 4])
+        except ValueError:
+            return None
+        root = named.get("root", "-1")
+        return Row(size, count, tokens[2], named.get("redop", named.get("op", "none")),
+                   int(root) if root.lstrip("-").isdigit() else -1, first, second)
+
+    def _placement(self, fields: list[str]) -> Placement:
+        time, algbw, busbw, checked = fields
+        numbers = (float(time) * self.time_to_us, float(algbw), float(busbw))
+        decimals = len(time.partition(".")[2])
+        error = 0.5 * 10.0 ** -decimals * self.time_to_us
+        if checked == "N/A":
+            return Placement(*numbers, None, None, error)
+        if self.check == "#wrong":
+            return Placement(*numbers, int(float(checked)), None, error)
+        return Placement(*numbers, None, float(checked), error)
 
 
 @dataclass
@@ -93,11 +157,6 @@ def _collective(name: str) -> str:
     return name.removesuffix("_perf").removesuffix("_mpi")
 
 
-def _placement(time: str, algbw: str, busbw: str, wrong: str) -> Placement:
-    return Placement(float(time), float(algbw), float(busbw),
-                     None if wrong == "N/A" else int(wrong))
-
-
 def _settings(text: str) -> dict[str, str]:
     found = {}
     for key, pattern in SETTING_KEYS.items():
@@ -111,6 +170,8 @@ def parse(text: str, default_collective: str = "all_reduce") -> list[Run]:
     runs: list[Run] = []
     current: Run | None = None
     pending_name = default_collective
+    columns = Columns()
+    devices = 0  # rank lines before a run starts (1.x prints them before any settings line)
     for raw in text.splitlines():
         line = SRUN_PREFIX.sub("", raw, count=1) if SRUN_PREFIX.match(raw) else raw
         if match := START.match(line):
@@ -118,22 +179,26 @@ def parse(text: str, default_collective: str = "all_reduce") -> list[Run]:
             current = None
             continue
         if match := SETTINGS.match(line):
-            current = Run(pending_name, 0, _settings(match.group(1)), [])
+            current = Run(pending_name, devices, _settings(match.group(1)), [])
             runs.append(current)
+            devices = 0
             continue
+        if HEADER.match(line):
+            columns = Columns.from_header(line)
+            continue
+        row = None if line.startswith("#") else columns.row(line)
         if current is None:
-            if ROW.match(line):  # rows without a header: still a run
-                current = Run(pending_name, 0, {}, [])
-                runs.append(current)
-            else:
+            if RANK_LINE.match(line):
+                devices += 1
+            if row is None:
                 continue
+            current = Run(pending_name, devices, {}, [])  # rows without a settings line
+            runs.append(current)
+            devices = 0
         if RANK_LINE.match(line):
             current.ranks += 1
-        elif match := ROW.match(line):
-            g = match.groupdict()
-            current.rows.append(Row(int(g["size"]), int(g["count"]), g["type"], g["redop"],
-                                    int(g["root"]), _placement(g["t1"], g["a1"], g["b1"], g["w1"]),
-                                    _placement(g["t2"], g["a2"], g["b2"], g["w2"])))
+        elif row is not None:
+            current.rows.append(row)
         elif match := OOB.match(line):
             current.out_of_bounds = int(match.group(1))
             current.oob_ok = match.group(2) == "OK"
@@ -155,9 +220,11 @@ def _recompute(run: Run) -> None:
                 continue
             algbw = row.size / placement.time_us / 1e3
             busbw = algbw * run.factor
+            # the time as printed may be off by half its last digit: so may the rates
+            spread = placement.time_error_us / placement.time_us
             for what, printed, computed in (("algbw", placement.algbw, algbw),
                                             ("busbw", placement.busbw, busbw)):
-                if abs(printed - computed) > 0.011 + 0.01 * computed:
+                if abs(printed - computed) > 0.011 + (0.01 + spread) * computed:
                     row.mismatches.append(f"{label} {what} printed {printed:g}, "
                                           f"recomputed {computed:.3f}")
 

@@ -171,7 +171,8 @@ def write_report(folder: Path, output: Path | None = None, expected_busbw: float
         from imgpipe.recipes.plot import plot_busbw
 
         _, run = results.nccl[-1]
-        plots.append(plot_busbw(run, expected, out / "nccl_busbw.png",
+        [verdict] = check([run], expected)
+        plots.append(plot_busbw(run, verdict, out / "nccl_busbw.png",
                                 f"{run.collective} bus bandwidth"))
     summary = summary_of(results, expected)
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>imgpipe report: "

@@ -182,8 +182,11 @@ def test_plot_is_a_real_png(cli, tmp_path: Path) -> None:
                        str(tmp_path / "busbw.png"))
     assert code == 0, err
     with Image.open(tmp_path / "busbw.png") as image:
-        assert image.format == "PNG" and image.size == (800, 450)
+        assert image.format == "PNG" and image.size == (800, 480)
         assert len(image.convert("L").getcolors(maxcolors=1 << 16)) > 10  # drawn, not blank
+        colours = {colour for _, colour in image.convert("RGB").getcolors(maxcolors=1 << 20)}
+    # the warn (90 %) and fail (70 %) lines, and the verdict written in pass green
+    assert {(255, 127, 14), (214, 39, 40), (44, 160, 44)} <= colours
 
 
 def _free_port() -> int:
