@@ -14,7 +14,7 @@ from typing import Any
 
 from imgpipe.recipes.errors import RecipeError
 from imgpipe.registry.auth import Credentials
-from imgpipe.registry.client import RegistryClient
+from imgpipe.registry.client import Manifest, RegistryClient
 from imgpipe.registry.reference import Reference
 
 ARTIFACT_ANNOTATION = "org.imgpipe.recipes"
@@ -47,12 +47,29 @@ def publish(folder: Path, target: Reference, scheme: str,
     return names
 
 
+def refuse_other_artifacts(target: Reference, manifest: Manifest) -> None:
+    """Only what `recipes publish` pushed is pulled: a manifest without its annotation (a
+    container image, someone else's artifact) is refused before a byte is downloaded."""
+    body = manifest.body
+    if (body.get("annotations") or {}).get(ARTIFACT_ANNOTATION) == "bundle":
+        return
+    layers = body.get("layers") or []
+    size = sum(int(layer.get("size", 0)) for layer in layers)
+    config_type = (body.get("config") or {}).get("mediaType", "")
+    what = ("a container image" if "image.config" in config_type or "container.image" in
+            config_type else f"an artifact of type {body.get('artifactType') or config_type}")
+    raise RecipeError(f"{target} is {what} ({len(layers)} layers, {size / 1e6:.1f} MB), not an "
+                      "imgpipe recipe bundle", hint="recipe bundles are published as "
+                      "REPO-recipes:TAG (imgpipe registry ls)")
+
+
 def pull(target: Reference, folder: Path, registry: RegistryClient, scheme: str,
          credentials: Credentials | None = None, ca_file: str | None = None) -> list[Path]:
     """Fetch the bundle ``target`` into ``folder``; scripts come back executable."""
     if registry.manifest_digest(target.repository, target.reference) is None:
         raise RecipeError(f"no recipe bundle {target} in the registry",
                           hint=f"list tags: imgpipe registry tags {target.repository}")
+    refuse_other_artifacts(target, registry.manifest(target.repository, target.reference))
     folder.mkdir(parents=True, exist_ok=True)
     client = _oras(target.registry, scheme, credentials, ca_file)
     paths = [Path(p) for p in client.pull(target=str(target), outdir=str(folder))]

@@ -36,3 +36,22 @@ def test_pulling_a_missing_tag_fails_clearly(cli, registry_server, tmp_path) -> 
         f"error: no recipe bundle {registry_server.address}/imgpipe/bert-recipes:nope in the "
         "registry (hint: list tags: imgpipe registry tags imgpipe/bert-recipes)")
     assert not (tmp_path / "x").exists()
+
+
+def test_pulling_a_container_image_is_refused_before_any_download(cli, registry_server,
+                                                                  tmp_path) -> None:
+    """`recipes pull` of a plain image reference once downloaded its layers and exited 0."""
+    import gzip
+
+    from tests import services
+
+    layer = gzip.compress(b"\0" * 4096)
+    services.push_image(services.plain_session(), registry_server.url, "someone/app", "1",
+                        [layer])
+    cli.write_config({"registry": {"port": registry_server.port}})
+    code, out, err = cli("recipes", "pull", "someone/app:1", "-o", str(tmp_path / "x"))
+    assert code == 1, (out, err)
+    [line] = err.strip().splitlines()
+    assert line.startswith(f"error: {registry_server.address}/someone/app:1 is a container "
+                           "image (1 layers,") and "not an imgpipe recipe bundle" in line
+    assert not (tmp_path / "x").exists()

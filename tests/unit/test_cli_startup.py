@@ -68,3 +68,31 @@ def test_a_stale_build_state_file_means_build_again(cli) -> None:
     code, _, err = cli("push", "bert")
     assert code == 1 and "Traceback" not in err
     assert err.strip() == "error: bert has not been built here (hint: imgpipe build bert)"
+
+
+def _complete(words: str, index: int) -> list[str]:
+    from pathlib import Path
+
+    imgpipe = str(Path(sys.executable).parent / "imgpipe")
+    done = subprocess.run([imgpipe], capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "COMP_WORDS": words,
+                               "COMP_CWORD": str(index), "_IMGPIPE_COMPLETE": "bash_complete"})
+    assert done.returncode == 0, done.stderr
+    return [line.split(",", 1)[1] for line in done.stdout.splitlines()]
+
+
+def test_shell_completion_knows_the_lazy_commands_and_their_choices() -> None:
+    """What the README tells users to put in their shell: commands (loaded on demand),
+    subcommands and option choices complete."""
+    assert _complete("imgpipe reg", 1) == ["registry"]
+    assert set(_complete("imgpipe registry ", 2)) >= {"up", "down", "status", "ls", "rm"}
+    assert _complete("imgpipe recipes render --runtime ", 4) == ["pyxis", "charliecloud",
+                                                                 "host"]
+
+
+def test_version() -> None:
+    from importlib.metadata import version
+
+    done = subprocess.run([sys.executable, "-c", "from imgpipe.cli.main import run; run()",
+                           "--version"], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == f"imgpipe, version {version('imgpipe')}"
