@@ -124,8 +124,10 @@ def build(ctx: click.Context, images: tuple[str, ...], flavor: str | None,
 @click.argument("images", nargs=-1, metavar="[IMAGE]...")
 @click.option("--convert", "then_convert", is_flag=True,
               help="Then convert each pushed image into a squashfs file (imgpipe convert).")
+@click.option("--force", is_flag=True, help="Push even what imgpipe.lock says is pushed.")
 @reporting
-def push(ctx: click.Context, images: tuple[str, ...], then_convert: bool) -> Result:
+def push(ctx: click.Context, images: tuple[str, ...], then_convert: bool,
+         force: bool) -> Result:
     """Push what `imgpipe build` built and record the digests in imgpipe.lock.
 
     Pushes every tag, reads the manifest digest back from the registry, checks
@@ -138,7 +140,7 @@ def push(ctx: click.Context, images: tuple[str, ...], then_convert: bool) -> Res
     """
     settings = settings_of(ctx)
     progress = Progress(choose_mode(invocation(ctx).json))
-    outcomes = push_images(settings, images, progress)
+    outcomes = push_images(settings, images, progress, force)
     if not outcomes:
         return Result({"images": []}, ["nothing to push: imgpipe.lock is up to date"])
     lines = [f"{o.image}/{o.flavor}: {o.pinned}" for o in outcomes]

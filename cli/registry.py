@@ -47,6 +47,11 @@ def up(ctx: click.Context, mode: str | None) -> Result:
             update={"registry": settings.registry.model_copy(update={"server": server})})
     local = local_registry(settings)
     state, started = local.up()
+    if state.mode == "external":
+        lines = [f"registry already answering: {settings.registry.url} (external: not started "
+                 "by imgpipe, so `registry down` and `gc` leave it alone)"]
+        return Result({"started": False, "mode": "external", "url": settings.registry.url,
+                       "data_dir": None, "pid": None, "container": None}, lines)
     verb = "started" if started else "already running"
     lines = [f"registry {verb}: {settings.registry.url} ({state.mode})",
              f"data: {local.data_dir}"]
@@ -137,21 +142,26 @@ def tags(ctx: click.Context, repository: str) -> Result:
 
 @registry.command(context_settings=CONTEXT)
 @click.argument("image", metavar="REPO:TAG")
+@click.option("--force", is_flag=True, help="Delete even when other tags share the manifest "
+              "(they are deleted too).")
 @reporting
-def rm(ctx: click.Context, image: str) -> Result:
-    """Delete the manifest REPO:TAG points to, naming every other tag that pointed to it.
+def rm(ctx: click.Context, image: str, force: bool) -> Result:
+    """Delete the manifest REPO:TAG points to.
 
-    The bytes stay on disk until `imgpipe registry gc`.
+    The registry deletes manifests, not tags: every other tag pointing to the same
+    manifest (the version and git-revision tags of a build, say) goes too.  Those are
+    listed and the deletion refused unless --force.  The bytes stay on disk until
+    `imgpipe registry gc`; imgpipe.lock and `plan` then see the manifest gone.
 
     \b
     Example:
-      imgpipe registry rm local/bert:0.1.0 && imgpipe registry gc
+      imgpipe registry rm local/bert:0.1.0 --force && imgpipe registry gc
     """
     settings = settings_of(ctx)
     ref = Reference.parse(image, default_registry=settings.registry.address)
     if ref.digest:
         raise ImgpipeError("rm takes REPO:TAG", hint="name the tag, not a digest")
-    removal = remove_tag(registry_client(settings), ref.repository, ref.tag or "latest")
+    removal = remove_tag(registry_client(settings), ref.repository, ref.tag or "latest", force)
     others = [t for t in removal.tags if t != ref.tag]
     lines = [f"deleted {ref.repository}@{removal.digest}"]
     if others:

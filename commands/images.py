@@ -7,7 +7,7 @@ dataclass; the CLI only parses options and renders.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from imgpipe.base import engine
@@ -26,7 +26,7 @@ from imgpipe.pipeline.builds import (
 )
 from imgpipe.pipeline.catalog import Image, load_catalog, select
 from imgpipe.pipeline.gitinfo import revision
-from imgpipe.pipeline.lock import lock_path, read_lock
+from imgpipe.pipeline.lock import LockEntry, LockFile, lock_path, read_lock
 from imgpipe.pipeline.plan import PlanItem
 from imgpipe.pipeline.push import PushOutcome, push_record
 from imgpipe.registry.client import RegistryClient
@@ -93,7 +93,31 @@ def plan_images(settings: Settings, images: tuple[str, ...], flavor: str | None,
     items = make_plan(settings, buildable, flavor, lock, overrides=build_args,
                       base_override=base, wheels_dir=wheels,
                       resolver=BaseResolver(settings, _registry_for(settings)), force=force)
-    return ImagePlan(items, without, flavor, wheels)
+    return ImagePlan(_still_pushed(settings, items, lock), without, flavor, wheels)
+
+
+def gone_from_registry(settings: Settings, entry: LockEntry) -> bool:
+    """Whether the manifest the lock records was deleted from the registry since (False
+    when the registry cannot be asked: planning works offline)."""
+    ref = entry.reference
+    try:
+        return registry_client(settings).manifest_digest(ref.repository, ref.reference) is None
+    except ImgpipeError:
+        return False
+
+
+def _still_pushed(settings: Settings, items: list[PlanItem], lock: LockFile
+                  ) -> list[PlanItem]:
+    """An image is up to date only while the registry still holds what the lock records."""
+    checked = []
+    for item in items:
+        entry = lock.entry(item.image.name, item.flavor)
+        if item.action == "up to date" and entry is not None and gone_from_registry(
+                settings, entry):
+            item = replace(item, action="build", reason=f"its pushed manifest "
+                           f"{entry.digest[:19]} is gone from the registry")
+        checked.append(item)
+    return checked
 
 
 def build_images(settings: Settings, plan: ImagePlan, secrets: dict[str, Path],
@@ -118,9 +142,10 @@ def build_images(settings: Settings, plan: ImagePlan, secrets: dict[str, Path],
     return Built(outcomes, client is not None)
 
 
-def push_images(settings: Settings, images: tuple[str, ...], progress: Progress
-                ) -> list[PushOutcome]:
-    """Push the builds (of ``images``, or all) whose inputs the lock does not hold yet."""
+def push_images(settings: Settings, images: tuple[str, ...], progress: Progress,
+                force: bool = False) -> list[PushOutcome]:
+    """Push the builds (of ``images``, or all) whose inputs the lock does not hold yet, or
+    whose recorded manifest the registry lost; every one with ``force``."""
     records = read_records(settings)
     lock = read_lock(lock_path(settings.root))
     if images:
@@ -133,7 +158,8 @@ def push_images(settings: Settings, images: tuple[str, ...], progress: Progress
     else:
         chosen = list(records.values())
     pending = [r for r in chosen
-               if (e := lock.entry(r.image, r.flavor)) is None or e.input_hash != r.input_hash]
+               if force or (e := lock.entry(r.image, r.flavor)) is None
+               or e.input_hash != r.input_hash or gone_from_registry(settings, e)]
     if not pending:
         return []
     registry = registry_client(settings)

@@ -182,6 +182,24 @@ class LocalRegistry:
             return ServerState("external", address)
         return ServerState("down", address)
 
+    def answers_as_registry(self) -> bool:
+        """Whether what listens on the port speaks the Registry HTTP API v2 (its /v2/ answers
+        with the Docker-Distribution-API-Version header, whatever the auth says)."""
+        import requests
+
+        url = f"{self.config.scheme}://{self._probe_host()}:{self.config.port}/v2/"
+        ca = self.settings.path(self.config.ca_file) if self.config.ca_file else None
+        for verify in (str(ca) if ca else True, False):  # identity only: nothing is sent
+            try:
+                reply = requests.get(url, timeout=(3, 5), verify=verify, allow_redirects=False)
+            except requests.exceptions.SSLError:
+                continue
+            except requests.RequestException:
+                return False
+            return reply.headers.get("Docker-Distribution-API-Version", "").startswith(
+                "registry/2")
+        return False
+
     def _probe_host(self) -> str:
         bind = self.config.server.bind
         return "127.0.0.1" if bind in ("0.0.0.0", "") else bind
@@ -220,9 +238,11 @@ class LocalRegistry:
         if current.mode in ("container", "binary"):
             return current, False
         if current.mode == "external":
+            if self.answers_as_registry():  # a site's own (DeepOps', say): use it as it is
+                return current, False
             raise LocalRegistryError(
-                f"port {self.config.port} on {self.config.server.bind} is already in use by "
-                "another program",
+                f"port {self.config.port} on {self.config.server.bind} is in use by a program "
+                "that does not answer as a registry",
                 hint="stop that program, or choose another registry.port in imgpipe.yaml",
             )
         mode = self.choose_mode()

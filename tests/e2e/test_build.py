@@ -125,6 +125,28 @@ def test_second_build_with_nothing_changed_calls_no_build(project: CliRun) -> No
     assert lock_of(project) == before
 
 
+def test_a_manifest_deleted_from_the_registry_is_pushed_again(project: CliRun,
+                                                              registry_server) -> None:
+    """`registry rm` of a pushed tag: plan and push no longer say "up to date" on the lock's
+    word; push sends it again (the build is still in the engine); --force pushes anyway."""
+    assert project("build", "hello")[0] == 0 and project("push", "hello")[0] == 0
+    tag = lock_of(project)["images"]["hello"]["cpu"]["tags"][0]
+    code, _, err = project("registry", "rm", f"test/hello:{tag}", "--force")
+    assert code == 0, err
+    code, out, _ = project("plan", "hello", "--json")
+    [item] = json.loads(out)["data"]["images"]
+    assert item["action"] == "build" and "is gone from the registry" in item["reason"]
+    code, out, err = project("push", "hello")
+    assert code == 0 and "nothing to push" not in out, err
+    entry = lock_of(project)["images"]["hello"]["cpu"]
+    assert RegistryClient(registry_server.url).manifest_digest("test/hello", tag) == (
+        entry["digest"])
+    code, out, _ = project("plan", "hello", "--json")
+    assert json.loads(out)["data"]["images"][0]["action"] == "up to date"
+    code, out, err = project("push", "hello", "--force")
+    assert code == 0 and "nothing to push" not in out, err
+
+
 def test_changing_one_payload_file_rebuilds_bert_only(project: CliRun) -> None:
     assert project("build", "hello")[0] == 0 and project("push", "hello")[0] == 0
     code, out, _ = project("plan", "bert", "hello", "--json")

@@ -77,7 +77,12 @@ def test_rm_then_gc_frees_the_bytes(managed_registry) -> None:
     before = json.loads(cli("registry", "status", "--json")[1])["data"]
     assert before["repositories"] == 2 and before["tags"] == 3
 
-    code, out, err = cli("registry", "rm", "gc/victim:1")
+    code, out, err = cli("registry", "rm", "gc/victim:1")  # alias would go too: refused
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "shares its manifest sha256:" in err and "with alias" in err and "--force" in err
+    assert json.loads(cli("registry", "status", "--json")[1])["data"]["tags"] == 3
+
+    code, out, err = cli("registry", "rm", "gc/victim:1", "--force")
     assert code == 0, err
     assert "also removed tags pointing to it: alias" in out
 
@@ -122,9 +127,28 @@ def test_port_already_taken(cli) -> None:
         code, out, err = cli("registry", "up")
     assert code == 1
     assert err.strip().splitlines() == [
-        f"error: port {port} on 127.0.0.1 is already in use by another program (hint: stop "
-        "that program, or choose another registry.port in imgpipe.yaml)"]
+        f"error: port {port} on 127.0.0.1 is in use by a program that does not answer as a "
+        "registry (hint: stop that program, or choose another registry.port in imgpipe.yaml)"]
     assert not (cli.folder / "build").exists()  # nothing half-done
+
+
+def test_up_adopts_a_registry_someone_else_runs(cli, registry_server) -> None:
+    """A head node where another registry already answers (DeepOps installs one): `up` says
+    so and exits 0, status and ls use it, down and gc leave it alone."""
+    cli.write_config({"registry": {"port": registry_server.port}})
+    code, out, err = cli("registry", "up", "--json")
+    assert code == 0, err
+    assert json.loads(out)["data"]["mode"] == "external"
+    code, out, err = cli("registry", "status", "--json")
+    assert code == 0, err
+    data = json.loads(out)["data"]
+    assert data["mode"] == "external" and data["reachable"] is True
+    assert cli("registry", "ls")[0] == 0
+    code, out, _ = cli("registry", "down")
+    assert code == 0 and "left running" in out
+    assert registry_server.proc.poll() is None  # still serving
+    code, _, err = cli("registry", "gc")
+    assert code == 1 and "was not started by imgpipe" in err
 
 
 @pytest.fixture
