@@ -9,6 +9,7 @@ wrong, e.g. ``imgpipe.yaml: registry.port: must be an integer``.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -124,11 +125,21 @@ class EnrootConfig(_Strict):
                                  "parallel by a conversion (Enroot's ENROOT_MAX_CONNECTIONS)")
     cache_max_size: str | None = Field(default=None, description="prune the shared cache "
                                        "to this size (e.g. 500G) after each conversion")
+    version: str | None = Field(default=None, description="Enroot's version on the compute "
+                                "nodes (e.g. 3.5.0); default: the enroot on this host.  Enroot "
+                                "3.x cannot pull by digest: recipes then pin squashfs files")
 
     @property
     def default_compression(self) -> str:
         """The compression conversions use when nothing more specific says."""
         return self.compression or ("lz4" if self.squashfuse else "zstd")
+
+    @field_validator("version")
+    @classmethod
+    def _version(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"v?\d+\.\d+(\.\d+)?", value.strip()):
+            raise ValueError("must be a version such as 3.5 or 4.1.2")
+        return value
 
     @field_validator("cache_max_size")
     @classmethod

@@ -71,13 +71,34 @@ def check_tool(name: str, programs: list[str], fix: str, required: bool = True) 
     return Check(name, "ok", ", ".join(which(p) or p for p in found), required=required)
 
 
-def check_pyxis() -> Check:
+def check_enroot(settings: Settings) -> Check:
+    """Enroot's version (the nodes', from enroot.version, else this host's) and what follows:
+    digest references need 4.0."""
+    from imgpipe.enroot.nodeconfig import nodes_enroot, takes_digests
+
+    version, learnt = nodes_enroot(settings)
+    if version is None:
+        return Check("enroot", "warn", "not found here and enroot.version is not set",
+                     "install Enroot on the compute nodes (https://github.com/NVIDIA/enroot), "
+                     "or set enroot.version in imgpipe.yaml to theirs; imgpipe converts "
+                     "without it", required=False)
+    shown = ".".join(map(str, version))
+    if not takes_digests(version):
+        return Check("enroot", "warn", f"Enroot {shown} ({learnt}) rejects @sha256 digest "
+                     "references", "pin squashfs files: imgpipe push --convert (recipes "
+                     "render then pins the file), or upgrade Enroot to 4.0", required=False)
+    return Check("enroot", "ok", f"Enroot {shown} ({learnt}): digest references work",
+                 required=False)
+
+
+def check_pyxis(version: tuple[int, int, int] | None = None) -> Check:
+    shown = f"Pyxis {'.'.join(map(str, version))}, " if version else ""
     for place in PLUGSTACK_PLACES:
         files = sorted(place.glob("*")) if place.is_dir() else [place]
         for file in files:
             try:
                 if "spank_pyxis" in file.read_text():
-                    return Check("pyxis", "ok", f"enabled in {file}", required=False)
+                    return Check("pyxis", "ok", f"{shown}enabled in {file}", required=False)
             except OSError:
                 continue
     return Check("pyxis", "warn", "no spank_pyxis.so in plugstack.conf",
@@ -151,14 +172,11 @@ def run_checks(settings: Settings) -> list[Check]:
                              "apt-get install docker-registry", required=False))
     checks.append(check_tool("slurm", ["sbatch", "srun", "sinfo"], "apt-get install slurm-wlm",
                              required=False))
-    checks.append(check_tool("enroot", ["enroot"],
-                             "install Enroot on the compute nodes "
-                             "(https://github.com/NVIDIA/enroot); imgpipe converts without it",
-                             required=False))
-    checks.append(check_pyxis())
+    checks.append(check_enroot(settings))
     from imgpipe.enroot.nodeconfig import detect_pyxis
 
     detected = detect_pyxis()
+    checks.append(check_pyxis(detected[1] if detected else None))
     checks.extend(check_squashfuse_mode(detected[1] if detected else None))
     checks.append(check_disk(settings))
     return checks

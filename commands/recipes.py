@@ -9,6 +9,7 @@ from imgpipe.base.config import Settings
 from imgpipe.base.errors import ConfigError
 from imgpipe.base.files import SquashfsPath
 from imgpipe.commands.wiring import registry_client, registry_credentials
+from imgpipe.enroot.nodeconfig import nodes_enroot, takes_digests
 from imgpipe.pipeline.lock import lock_path, read_lock
 from imgpipe.recipes.profiles import Profile, load_profile
 from imgpipe.recipes.render import Bundle, RecipeInputs, render_bundle
@@ -67,6 +68,9 @@ def render_recipes(settings: Settings, profile: Profile, nodes: int, runtime: Ru
     pinned = image or pin(settings, "bert", flavor) or ""  # required: never empty
     refuse_loopback(pinned, profile.name)
     site = settings.recipes
+    enroot_version, learnt = nodes_enroot(settings)
+    seen = (f"{'.'.join(map(str, enroot_version))}, from {learnt}" if enroot_version
+            else learnt)
     inputs = RecipeInputs(
         profile=profile, nodes=nodes, image=pinned, runtime=runtime,
         nccl_image=pin(settings, "nccl-tests", "ngc", required=False) if profile.is_gpu else None,
@@ -74,7 +78,8 @@ def render_recipes(settings: Settings, profile: Profile, nodes: int, runtime: Ru
         results_dir=site.results_dir, dataset_source=site.dataset_source,
         vocab=site.vocab, bert_config=site.bert_config, partition=site.partition,
         walltime_minutes=site.walltime_minutes, env=env,
-        adjust_global_batch=adjust_global_batch)
+        adjust_global_batch=adjust_global_batch,
+        enroot_takes_digests=takes_digests(enroot_version), enroot_seen=seen)
     folder = output or settings.path(settings.outputs.recipes_dir) / f"{profile.name}-{nodes}n"
     return folder, render_bundle(inputs, folder, phases)
 

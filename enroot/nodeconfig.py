@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from imgpipe.base.config import Settings
+from imgpipe.base.errors import ImgpipeError
+from imgpipe.base.process import run
 
 PYXIS_SO_CANDIDATES = ("/usr/local/lib/slurm/spank_pyxis.so", "/usr/lib/slurm/spank_pyxis.so",
                        "/usr/lib64/slurm/spank_pyxis.so",
@@ -30,6 +32,7 @@ PYXIS_SO_CANDIDATES = ("/usr/local/lib/slurm/spank_pyxis.so", "/usr/lib/slurm/sp
 PYXIS_VERSION_MARK = re.compile(rb"pyxis: version v(\d+)\.(\d+)(?:\.(\d+))?")
 CLEANUP_PATH = ("/usr/local/bin", "/usr/bin", "/bin")  # Pyxis's PATH for `enroot list`
 IMPORTER_SINCE = (0, 21)
+DIGEST_REFERENCES_SINCE = (4, 0, 0)  # Enroot 3.x: "Invalid image reference" for @sha256
 SQUASHFUSE_SINCE = (0, 22)           # use_squashfuse for image paths
 SQUASHFUSE_IMPORTER_SINCE = (0, 24)  # ... and for images an importer returns
 SQUASHFUSE_NEEDS = ("squashfuse and mountpoint on slurmd's PATH, /dev/fuse usable by job "
@@ -72,6 +75,32 @@ def detect_pyxis(candidates: tuple[str, ...] = PYXIS_SO_CANDIDATES
             return candidate, (int(match.group(1)), int(match.group(2)),
                                int(match.group(3) or 0))
     return None
+
+
+def detect_enroot(enroot: str | None = None) -> Version | None:
+    """The version ``enroot version`` prints (this host's, or ``enroot``'s), None without one."""
+    binary = enroot or shutil.which("enroot")
+    if binary is None:
+        return None
+    try:
+        done = run([binary, "version"], check=False, timeout=20, what="enroot version")
+        return parse_version(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 \
+            else None
+    except (ImgpipeError, ValueError, IndexError):
+        return None
+
+
+def nodes_enroot(settings: Settings) -> tuple[Version | None, str]:
+    """The compute nodes' Enroot version, and where it was learnt (the config, this host)."""
+    if settings.enroot.version:
+        return parse_version(settings.enroot.version), "enroot.version in imgpipe.yaml"
+    found = detect_enroot()
+    return found, "the enroot on this host" if found else "nowhere: no enroot here"
+
+
+def takes_digests(version: Version | None) -> bool:
+    """Whether Enroot parses ``@sha256:`` references (4.0 and newer; unknown counts as yes)."""
+    return version is None or version >= DIGEST_REFERENCES_SINCE
 
 
 def render(settings: Settings, importer_path: str, pyxis_version: Version | None = None,

@@ -40,6 +40,9 @@ class RecipeInputs:
     image: Reference | SquashfsPath | str
     runtime: Runtime = "pyxis"
     nccl_image: Reference | SquashfsPath | str | None = None
+    # Enroot 3.x on the nodes rejects @sha256 references: pyxis recipes then need files
+    enroot_takes_digests: bool = True
+    enroot_seen: str = ""  # which Enroot said so, for the error
     data_dir: str = "/lustre/bert/data"
     checkpoint_dir: str = "/lustre/bert/checkpoints"
     results_dir: str = "/lustre/bert/results"
@@ -156,6 +159,13 @@ def render_bundle(inputs: RecipeInputs, folder: Path, phases: tuple[int, ...] = 
               for phase in phases]
     image = pinned_image(inputs.image)
     nccl_image = pinned_image(inputs.nccl_image) if inputs.nccl_image else image
+    if inputs.runtime == "pyxis" and not inputs.enroot_takes_digests:
+        for shown in {image, nccl_image}:
+            if "@sha256:" in shown:
+                raise RecipeError(
+                    f"the nodes' Enroot ({inputs.enroot_seen}) rejects digest references "
+                    f"such as {shown}", hint="convert the image (imgpipe convert, or push "
+                    "--convert) so the recipes pin its squashfs file, or upgrade Enroot to 4.0")
     context = {
         "profile": profile, "nodes": inputs.nodes, "runtime": inputs.runtime,
         "image": image, "nccl_image": nccl_image,
