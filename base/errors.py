@@ -16,7 +16,7 @@ Hierarchy::
     │   ├── AuthError               credentials missing or refused
     │   ├── DigestMismatchError     bytes did not hash to the digest asked for
     │   ├── ReferenceFormatError    a malformed image reference (exit 2)
-    │   ├── SharedManifestError     imgpipe.registry.inventory: rm of a manifest other tags share (exit 2)
+    │   ├── SharedManifestError     rm of a manifest other tags share, without --force (exit 2)
     │   └── LocalRegistryError      the head-node registry's lifecycle (up/down/gc)
     ├── ConvertError                imgpipe.enroot.errors: a conversion or the cache
     │   ├── HostileLayerError       a layer entry or stream that cannot be trusted
