@@ -7,10 +7,11 @@ Three ways in, each where it is the right one:
   (``DOCKER_BUILDKIT=1 docker build``, which python-on-whales' legacy path cannot hand
   secrets to) run by :mod:`imgpipe.base.process`; either way the image ID comes from
   BuildKit (``--iidfile`` or the loaded image), never from progress text;
-* pushes: the client's ``docker push`` (it honours the user's credential helpers), run by
-  :mod:`imgpipe.base.process` with its timeout, its output handed on line by line;
-* everything else (images present, pulls, tags, the registry's container): the docker SDK,
-  made on first use (it is slow to import), its errors turned into :class:`EngineError`.
+* self-tests: the client's ``docker run`` through :mod:`imgpipe.base.process` (its
+  timeout, its output line by line);
+* everything else (pushes with their byte counts, images present, pulls, tags, imports,
+  the registry's container): the docker SDK, made on first use (it is slow to import),
+  its errors turned into :class:`EngineError`.
 
 Two kinds of client exist on the machines imgpipe runs on: one with the buildx plugin,
 and one without it whose ``docker build`` still uses the engine's built-in BuildKit when
@@ -203,13 +204,6 @@ def _build_buildx(client: BuildClient, request: BuildRequest,
         return str(written["containerimage.config.digest"])
 
 
-def push(client: BuildClient, reference: str, on_line: Callable[[str], None],
-         timeout: float = 3600) -> None:
-    """``docker push reference`` through ``client``, its output line by line."""
-    stream([client.path, "push", reference], on_line, timeout=timeout, env=client.env or None,
-           what=f"push of {reference}")
-
-
 def run_in_container(client: BuildClient, image: str, argv: list[str],
                      on_line: Callable[[str], None], timeout: float, what: str) -> Completed:
     """``docker run --rm --network=none image argv…`` (a self-test), its output line by line."""
@@ -293,6 +287,35 @@ class Engine:
         """``docker run -d`` of ``image`` with the SDK's ``containers.run`` options."""
         return self._call(f"cannot start a container of {image}",
                           lambda sdk: sdk.containers.run(image, detach=True, **options))
+
+    def push(self, reference: str, advance: Callable[[int], None],
+             on_line: Callable[[str], None]) -> None:
+        """Push ``repository:tag`` through the engine API, its bytes counted as they go
+        (``advance``: the growth of the sum over layers) and each layer's state shown
+        (``on_line``); the user's docker config supplies credentials, as for the client."""
+        repository, _, tag = reference.rpartition(":")
+        if not repository or "/" in tag:
+            repository, tag = reference, "latest"
+        moved: dict[str, int] = {}
+        counted = 0
+
+        def stream(sdk: Any) -> None:
+            nonlocal counted
+            for event in sdk.images.push(repository, tag=tag, stream=True, decode=True):
+                if "error" in event:
+                    raise EngineError(f"push of {reference} failed: {event['error']}")
+                layer, status = event.get("id"), event.get("status", "")
+                detail = event.get("progressDetail") or {}
+                if layer and "current" in detail:
+                    moved[layer] = int(detail["current"])
+                    now = sum(moved.values())
+                    if now > counted:
+                        advance(now - counted)
+                        counted = now
+                elif status and not detail:
+                    on_line(f"{layer}: {status}" if layer else status)
+
+        self._call(f"cannot push {reference}", stream)
 
     def import_tarball(self, tarball: Path, reference: str, changes: list[str]) -> str:
         """``docker import`` of a root filesystem tar as ``reference``; the image ID."""

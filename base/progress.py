@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, TextIO
+
+from imgpipe.base.units import human_bytes
 
 if TYPE_CHECKING:
     from rich.status import Status
 
 Mode = Literal["tty", "plain", "quiet"]
+PLAIN_EVERY_S = 5.0  # byte counts in a log: often enough to see it moving, not a flood
 
 
 def choose_mode(json_output: bool, stream: TextIO | None = None) -> Mode:
@@ -62,6 +66,31 @@ class Progress:
         elif now - self._last_draw >= 1.0:
             self._status.update(text[:150])
             self._last_draw = now
+
+    def transfer(self, what: str, total: int | None) -> Callable[[int], None]:
+        """A counter for bytes moving (push, fetch, squash): ``advance(n)`` after each chunk.
+
+        Shows ``what: 512.0 MiB of 1.2 GiB (41%) at 98.1 MiB/s``: on a terminal redrawn at
+        most once a second, as plain lines at most every ``PLAIN_EVERY_S``, never quietly.
+        """
+        started = time.monotonic()
+        moved = [0]
+        last = [0.0]
+
+        def advance(count: int) -> None:
+            moved[0] += count
+            now = time.monotonic()
+            every = 1.0 if self.mode == "tty" else PLAIN_EVERY_S
+            finished = total is not None and moved[0] >= total
+            if self.mode == "quiet" or (now - last[0] < every and not finished):
+                return
+            last[0] = now
+            rate = moved[0] / max(now - started, 1e-6)
+            of = (f" of {human_bytes(total)} ({100 * moved[0] / total:.0f}%)"
+                  if total else "")
+            self.detail(f"{what}: {human_bytes(moved[0])}{of} at {human_bytes(int(rate))}/s")
+
+        return advance
 
     def done(self) -> None:
         if self._status is not None:

@@ -31,7 +31,8 @@ def convert_and_record(settings: Settings, target: str, flavor: str, compression
         options = squash_options(settings, None, compression)
     conversion = convert(registry_client(settings), storage(settings), ref, options,
                          say=progress.step, with_enroot=with_enroot,
-                         connections=settings.enroot.max_connections)
+                         connections=settings.enroot.max_connections, count=progress.transfer)
+    progress.done()
     if conversion.converted and settings.enroot.cache_max_size:
         pruned = prune(storage(settings), max_size=parse_size(settings.enroot.cache_max_size))
         if pruned.removed:

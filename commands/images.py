@@ -208,10 +208,10 @@ def mirror_image(settings: Settings, source: str, dest: str | None, progress: Pr
             raise ImgpipeError(exc.message,
                                hint="docker login to its registry, or check the name") from exc
     docker_engine.tag(source, f"{target.registry}/{target.repository}", target.tag or "latest")
-    client = find_build_client(settings.docker.client, settings.docker.host)
     progress.step(f"push {target}")
     try:
-        engine.push(client, str(target), progress.detail)
+        docker_engine.push(str(target), progress.transfer(f"push {target}", None),
+                           progress.detail)
     finally:
         progress.done()
     return Mirrored(source, target, registry.manifest_digest(target.repository, target.reference))

@@ -11,12 +11,14 @@ only temporaries, which the next holder of the lock deletes.
 from __future__ import annotations
 
 import errno
+import io
 import os
 import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO, Any, cast
 
 from imgpipe.base.files import SquashfsPath, atomic_path, file_sha256
 from imgpipe.enroot.errors import (
@@ -61,6 +63,10 @@ class Conversion:
         return SquashfsPath(self.path)
 
 
+# (what, total bytes or None) -> advance(bytes): a progress display's byte counter
+Counter = Callable[[str, int | None], Callable[[int], None]]
+
+
 @dataclass(frozen=True)
 class _Target:
     """One conversion under way: the reference, its digest, where the file goes, how it is
@@ -72,6 +78,7 @@ class _Target:
     options: SquashOptions
     say: Callable[[str], None]
     started: float
+    count: Counter = field(default=lambda what, total: lambda n: None)
 
     def result(self, converted: bool, fetched_bytes: int = 0, entries: int = 0,
                layers: list[LayerCounts] | None = None) -> Conversion:
@@ -106,9 +113,11 @@ def resolve_digest(client: RegistryClient, ref: Reference) -> str:
 def convert(client: RegistryClient, storage: Storage, ref: Reference,
             options: SquashOptions | None = None,
             say: Callable[[str], None] = lambda _: None,
-            with_enroot: bool = False, connections: int = MAX_CONNECTIONS) -> Conversion:
+            with_enroot: bool = False, connections: int = MAX_CONNECTIONS,
+            count: Counter | None = None) -> Conversion:
     """Make sure the squashfs of ``ref`` exists and return where it is; layers are fetched
-    over ``connections`` parallel requests (enroot.max_connections).
+    over ``connections`` parallel requests (enroot.max_connections).  ``count`` makes a
+    byte counter for the fetch and the squash (a progress display's).
 
     Raises ConvertError (or RegistryError, HostileLayerError) on failure; the
     shared directory then holds no new file.
@@ -128,7 +137,7 @@ def convert(client: RegistryClient, storage: Storage, ref: Reference,
                               options.compression)
     digest = resolve_digest(client, ref)
     target = _Target(ref, digest, storage.squashfs(ref.repository, digest, options.compression),
-                     options, say, started)
+                     options, say, started, *([count] if count else []))
     if target.final.exists():
         return target.result(converted=False)
     with storage.lock(digest, on_wait=say):
@@ -183,13 +192,14 @@ def layer_sources(image: FetchedImage) -> list[LayerSource]:
 def _convert_locked(client: RegistryClient, storage: Storage, target: _Target,
                     connections: int = MAX_CONNECTIONS) -> Conversion:
     repository, digest, say = target.ref.repository, target.digest, target.say
-    needed = _space_needed(client, storage, repository, digest)
+    needed, missing = _space_needed(client, storage, repository, digest)
     free = shutil.disk_usage(storage.root).free
     if free < needed:
         raise NoSpaceError(storage.root, needed, free)
     say(f"fetch {repository}@{digest[:19]}")
     try:
-        image = fetch_image(client, storage, repository, digest, connections=connections)
+        image = fetch_image(client, storage, repository, digest, connections=connections,
+                            on_bytes=target.count(f"fetch {repository}", missing or None))
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             raise NoSpaceError(storage.root, needed,
@@ -226,14 +236,15 @@ def _convert_locked(client: RegistryClient, storage: Storage, target: _Target,
 
 
 def _space_needed(client: RegistryClient, storage: Storage, repository: str, digest: str
-                  ) -> int:
+                  ) -> tuple[int, int]:
     """Bytes a conversion will write into the folder: the blobs not cached yet, and the
     squashfs, estimated at the compressed size of all layers (zstd's is smaller; lz4's and
-    uncompressed ones larger: this is a floor that catches the hopeless cases early)."""
+    uncompressed ones larger: this is a floor that catches the hopeless cases early), and
+    the bytes to fetch."""
     manifest = client.manifest(repository, digest)
     sizes = [(layer["digest"], int(layer.get("size", 0))) for layer in manifest.layers]
     missing = sum(size for blob, size in sizes if not storage.blob(blob).exists())
-    return missing + sum(size for _, size in sizes)
+    return missing + sum(size for _, size in sizes), missing
 
 
 def _out_of_space(exc: BaseException) -> bool:
@@ -278,16 +289,38 @@ def _fetch_again(client: RegistryClient, storage: Storage, repository: str,
     return fresh
 
 
+class _Counted(io.RawIOBase):
+    """A writable stream that tells ``advance`` how many bytes went through."""
+
+    def __init__(self, out: IO[bytes], advance: Callable[[int], None]) -> None:
+        super().__init__()
+        self._out = out
+        self._advance = advance
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        written = self._out.write(data)
+        self._advance(len(data))
+        return written if written is not None else len(data)
+
+    def flush(self) -> None:
+        self._out.flush()
+
+
 def _squash_and_publish(target: _Target, image: FetchedImage, layers: list[LayerSource],
                         view: MergedView, work: Path) -> Conversion:
     """Squash the merged view into a temporary name beside the final one, sync, rename."""
     options = target.options
     written = [0]
     target.say(f"squash with {options.compression} ({options.tool})")
+    advance = target.count(f"squash {target.ref.repository}", view.file_bytes or None)
     with atomic_path(target.final, mode=0o644) as tmp:
         if options.tool == "tar2sqfs":
-            squash_stream(lambda out: written.__setitem__(0, write_stream(view, layers, out)),
-                          tmp, options)
+            squash_stream(lambda out: written.__setitem__(
+                0, write_stream(view, layers, cast(IO[bytes], _Counted(out, advance)))), tmp,
+                options)
         else:
             squash_tree(lambda tree: written.__setitem__(0, write_tree(view, layers, tree)),
                         tmp, options, work)

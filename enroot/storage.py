@@ -168,11 +168,16 @@ class Storage:
         """Delete leftovers of crashed conversions of ``digest`` (call with its lock held)."""
         hexpart = digest_hex(digest)
         removed = 0
+        # /dev/shm is the whole host's, not this cache's: another cache (another user, another
+        # site folder) may be converting the same digest there under its own lock, so only
+        # work trees whose process is gone are leftovers.
+        now = time.time()
+        in_ram = [path for path in (RAM_DIR.glob(f"imgpipe-{hexpart}~{socket.gethostname()}~*")
+                                    if RAM_DIR.is_dir() else [])
+                  if orphaned(path.name, path.lstat().st_mtime, now)]
         for leftover in [*self.root.glob(f"{TMP_PREFIX}*sha256-{hexpart}*.sqsh.*"),
                          *self.tmp.glob(f"{hexpart}.*"),
-                         *self.tmp.glob(f"{hexpart}~*"),
-                         *(RAM_DIR.glob(f"imgpipe-{hexpart}~{socket.gethostname()}~*")
-                           if RAM_DIR.is_dir() else [])]:
+                         *self.tmp.glob(f"{hexpart}~*"), *in_ram]:
             # In a sticky shared folder only the owner may delete: another user's
             # leftover stays until its owner (or an admin) converts again.
             with contextlib.suppress(PermissionError):

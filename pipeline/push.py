@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from imgpipe.base import engine
 from imgpipe.base.engine import BuildClient, Engine
 from imgpipe.base.errors import ImgpipeError
 from imgpipe.base.progress import Progress
@@ -49,13 +48,16 @@ def ensure_local(engine: Engine, record: BuildRecord) -> None:
 def push_record(client: BuildClient, registry: RegistryClient, record: BuildRecord,
                 lock_file: Path, progress: Progress) -> PushOutcome:
     """Push every tag of ``record``, verify the digest, and record it in the lock."""
-    ensure_local(Engine(client.docker_host), record)
+    docker_engine = Engine(client.docker_host, timeout=3600)
+    ensure_local(docker_engine, record)
     repo_path = record.repository.split("/", 1)[1]
     started = time.monotonic()
     progress.step(f"push {record.image}/{record.flavor} -> {record.repository}")
     try:
         for tag in record.tags:
-            engine.push(client, f"{record.repository}:{tag}", progress.detail)
+            target = f"{record.repository}:{tag}"
+            docker_engine.push(target, progress.transfer(f"push {target}", None),
+                               progress.detail)
     finally:
         progress.done()
     digests = {tag: registry.manifest_digest(repo_path, tag) for tag in record.tags}

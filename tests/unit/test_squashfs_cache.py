@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -20,7 +21,7 @@ OTHER = "sha256:" + "b" * 64
 
 def storage(tmp_path: Path) -> Storage:
     root = tmp_path / "cache"
-    root.mkdir(mode=0o1777)
+    root.mkdir(mode=0o1777, parents=True)
     os.chmod(root, 0o1777)
     made = Storage(root)
     made.prepare()
@@ -97,3 +98,24 @@ def test_sizes_read_and_shown() -> None:
     with pytest.raises(ValueError, match="not a size"):
         parse_size("lots")
     assert human_bytes(512) == "512 B" and human_bytes(3 << 30) == "3.0 GiB"
+
+
+def test_a_live_conversion_of_the_same_digest_from_another_cache_keeps_its_work_tree(
+        tmp_path: Path) -> None:
+    """/dev/shm is the host's: two caches (two users, two site folders) converting one digest
+    each hold only their own cache's lock.  Cleaning up one's leftovers must leave the other's
+    live work tree alone (it vanished mid-squash: "llistxattr ... No such file")."""
+    from imgpipe.enroot.storage import RAM_DIR
+
+    digest = "sha256:" + os.urandom(32).hex()
+    mine, theirs = storage(tmp_path / "a"), storage(tmp_path / "b")
+    live = theirs.work_dir(digest, needs_bytes=1)  # this process: alive
+    assert live.parent == RAM_DIR
+    dead = RAM_DIR / f"imgpipe-{digest[7:]}~{os.uname().nodename}~999999999~1"
+    dead.mkdir()
+    try:
+        mine.clean_stale(digest)
+        assert live.is_dir() and not dead.exists()
+    finally:
+        shutil.rmtree(live, ignore_errors=True)
+        shutil.rmtree(dead, ignore_errors=True)
