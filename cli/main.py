@@ -41,6 +41,8 @@ LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
         "Copy an image (the NGC PyTorch base, say) into the head-node registry."),
     "ci": ("imgpipe.cli.build", "ci",
         "What CI runs on every merge: plan, build what changed, self-test, push, lock."),
+    "lock": ("imgpipe.cli.lock", "lock",
+        "imgpipe.lock: the digests the recipes and conversions pin."),
     "convert": ("imgpipe.cli.convert", "convert_command",
         "Convert an image into a squashfs file in outputs.squashfs_dir, once per digest."),
     "node-config": ("imgpipe.cli.convert", "node_config",

@@ -26,9 +26,10 @@ from imgpipe.pipeline.builds import (
 )
 from imgpipe.pipeline.catalog import Image, load_catalog, select
 from imgpipe.pipeline.gitinfo import revision
-from imgpipe.pipeline.lock import LockEntry, LockFile, lock_path, read_lock
+from imgpipe.pipeline.lock import LockEntry, LockFile, lock_path, read_lock, updating_lock
 from imgpipe.pipeline.plan import PlanItem
 from imgpipe.pipeline.push import PushOutcome, push_record
+from imgpipe.pipeline.remote import pushed_entries
 from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.reference import Reference
 
@@ -89,11 +90,61 @@ def plan_images(settings: Settings, images: tuple[str, ...], flavor: str | None,
     buildable = [image for image in chosen if flavor in image.spec.flavors]
     wheels = wheels_dir or (settings.path(settings.build.wheels_dir)
                             if settings.build.wheels_dir else None)
-    lock = read_lock(lock_path(settings.root))
+    lock = with_registry_entries(settings, read_lock(lock_path(settings.root)), buildable,
+                                 flavor)
     items = make_plan(settings, buildable, flavor, lock, overrides=build_args,
                       base_override=base, wheels_dir=wheels,
                       resolver=BaseResolver(settings, _registry_for(settings)), force=force)
     return ImagePlan(_still_pushed(settings, items, lock), without, flavor, wheels)
+
+
+def with_registry_entries(settings: Settings, lock: LockFile, images: list[Image],
+                          flavor: str) -> LockFile:
+    """``lock`` completed, in memory, with what the registry says was pushed for images the
+    lock does not know (a fresh checkout or runner): the registry is the source of truth."""
+    unknown = [image for image in images if lock.entry(image.name, flavor) is None]
+    if not unknown:
+        return lock
+    try:
+        client = registry_client(settings)
+    except ImgpipeError:
+        return lock
+    completed = lock.model_copy(deep=True)
+    for name, entry in pushed_entries(client, unknown, flavor).items():
+        completed.images.setdefault(name, {})[flavor] = entry
+    return completed
+
+
+@dataclass(frozen=True)
+class Pulled:
+    """What `imgpipe lock pull` wrote: each image/flavor and its digest, and what was new."""
+
+    entries: dict[str, LockEntry]
+    changed: list[str]
+
+
+def pull_lock(settings: Settings, images: tuple[str, ...], flavors: tuple[str, ...]) -> Pulled:
+    """Write imgpipe.lock from the registry: each image's version tag, its digest and the
+    inputs its labels record (``flavors``: default every flavor of each image)."""
+    chosen = select(load_catalog(settings), images)
+    client = registry_client(settings)
+    client.ping()
+    found: dict[str, LockEntry] = {}
+    for flavor in flavors or sorted({f for image in chosen for f in image.spec.flavors}):
+        for name, entry in pushed_entries(client, chosen, flavor).items():
+            found[f"{name}/{flavor}"] = entry
+    changed = []
+    with updating_lock(lock_path(settings.root)) as lock:
+        for key, entry in found.items():
+            name, flavor = key.split("/")
+            current = lock.entry(name, flavor)
+            if current is None or current.digest != entry.digest:
+                if current is not None and current.squashfs and current.digest == entry.digest:
+                    entry.squashfs, entry.squashfs_sha256 = (current.squashfs,
+                                                             current.squashfs_sha256)
+                lock.images.setdefault(name, {})[flavor] = entry
+                changed.append(key)
+    return Pulled(found, changed)
 
 
 def gone_from_registry(settings: Settings, entry: LockEntry) -> bool:

@@ -33,6 +33,7 @@ from imgpipe.registry.reference import Reference
 
 LABEL_PREFIX = "org.opencontainers.image"
 HASH_LABEL = "org.imgpipe.input-hash"
+INPUTS_LABEL = "org.imgpipe.inputs"  # each input's hash: what `plan` names as changed
 FLAVOR_LABEL = "org.imgpipe.flavor"
 
 
@@ -98,6 +99,7 @@ def labels_for(item: PlanItem, revision: Revision | None, now: str) -> dict[str,
                                    else str(item.image.folder)),
         f"{LABEL_PREFIX}.base.name": item.build_args["BASE_IMAGE"],
         HASH_LABEL: item.input_hash,
+        INPUTS_LABEL: json.dumps(item.inputs, sort_keys=True, separators=(",", ":")),
         FLAVOR_LABEL: item.flavor,
     }
     if spec.description:

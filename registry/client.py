@@ -336,6 +336,23 @@ class RegistryClient:
         """Delete a manifest by digest (every tag pointing at it goes with it)."""
         self.request("DELETE", f"/v2/{repository}/manifests/{digest}", ok={202})
 
+    def image_config(self, repository: str, digest: str, limit: int = 4 << 20
+                     ) -> dict[str, Any]:
+        """An image's config blob (small JSON: env, labels, layers' diff_ids), verified
+        against ``digest``."""
+        algorithm, _, expected = digest.partition(":")
+        response = self.request("GET", f"/v2/{repository}/blobs/{digest}")
+        body = response.content[:limit + 1]
+        if len(body) > limit:
+            raise RegistryError(f"config {digest} of {repository} is over {limit} bytes")
+        if algorithm != "sha256" or hashlib.sha256(body).hexdigest() != expected:
+            raise DigestMismatchError(f"config {digest} of {repository} failed verification",
+                                      method="GET", url=f"/v2/{repository}/blobs/{digest}")
+        parsed = json.loads(body)
+        if not isinstance(parsed, dict):
+            raise RegistryError(f"config {digest} of {repository} is not a JSON object")
+        return parsed
+
     def blob_exists(self, repository: str, digest: str) -> bool:
         response = self.request("HEAD", f"/v2/{repository}/blobs/{digest}", ok={200, 404})
         return response.status_code == 200

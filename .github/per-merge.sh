@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# What the images workflow runs on every merge, as the runner's own user: no apt, no root
+# (the docker group is enough).  An admin set the runner up once (README, "CI on a head
+# node"): the packages, the runner user in the docker group, a venv with imgpipe's
+# dependencies at $IMGPIPE_VENV that the runner user owns, and the site's imgpipe.yaml.
+#
+#   IMGPIPE_VENV=/opt/imgpipe/venv IMGPIPE_SITE_CONFIG=/etc/imgpipe/imgpipe.yaml \
+#     .github/per-merge.sh ngc
+#
+# actions/checkout leaves no imgpipe.lock (it is not committed, and a clean checkout wipes
+# ignored files): the registry is the source of truth.  `lock pull` writes the lock back
+# from the pushed images' labels, so `ci` builds only what changed.
+set -euo pipefail
+flavor=${1:-ngc}
+cd "$(dirname "$0")/.."
+: "${IMGPIPE_VENV:?set IMGPIPE_VENV to the runner venv (README: CI on a head node)}"
+: "${IMGPIPE_SITE_CONFIG:?set IMGPIPE_SITE_CONFIG to the site imgpipe.yaml}"
+if [ "$(id -u)" -eq 0 ]; then
+  echo "per-merge: run this as the runner's user, not root" >&2
+  exit 2
+fi
+install -m 0644 "$IMGPIPE_SITE_CONFIG" imgpipe.yaml
+"$IMGPIPE_VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
+  --force-reinstall --no-build-isolation .
+imgpipe="$IMGPIPE_VENV/bin/imgpipe"
+"$imgpipe" lock pull --flavor "$flavor"
+"$imgpipe" ci --flavor "$flavor"

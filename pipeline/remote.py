@@ -1,0 +1,64 @@
+"""The registry as the source of truth: what was pushed, read back from the pushed image.
+
+Every build carries its input hash (and each input's hash) as labels of its config, so a
+checkout without imgpipe.lock (a fresh CI runner: actions/checkout wipes ignored files)
+learns from the registry which images are already built from these inputs, and
+``imgpipe lock pull`` writes imgpipe.lock back from it.
+"""
+
+from __future__ import annotations
+
+import json
+
+from imgpipe.base.errors import ImgpipeError
+from imgpipe.pipeline.builds import HASH_LABEL, INPUTS_LABEL, LABEL_PREFIX
+from imgpipe.pipeline.catalog import Image
+from imgpipe.pipeline.lock import LockEntry
+from imgpipe.registry.client import RegistryClient
+
+
+def version_tag(image: Image, flavor: str) -> str:
+    """The tag every build of ``image`` in ``flavor`` pushes: its version and the suffix."""
+    return f"{image.spec.version}{image.flavor(flavor).tag_suffix}"
+
+
+def pushed_entry(client: RegistryClient, image: Image, flavor: str) -> LockEntry | None:
+    """The lock entry the registry vouches for: the version tag's manifest and the inputs
+    its config's labels record; None when the tag is not there or was not built by imgpipe."""
+    repository, tag = image.spec.repository, version_tag(image, flavor)
+    digest = client.manifest_digest(repository, tag)
+    if digest is None:
+        return None
+    manifest = client.manifest(repository, digest)
+    labels = (client.image_config(repository, manifest.config_digest).get("config") or {}
+              ).get("Labels") or {}
+    input_hash = labels.get(HASH_LABEL)
+    if not input_hash:
+        return None
+    try:
+        inputs = json.loads(labels.get(INPUTS_LABEL) or "{}")
+    except ValueError:
+        inputs = {}
+    return LockEntry(
+        repository=f"{client.address}/{repository}", tags=[tag], digest=digest,
+        config_digest=manifest.config_digest, input_hash=input_hash,
+        inputs={str(k): str(v) for k, v in inputs.items()} if isinstance(inputs, dict) else {},
+        flavor=flavor, base=labels.get(f"{LABEL_PREFIX}.base.name", ""),
+        size=manifest.size, pushed_at=labels.get(f"{LABEL_PREFIX}.created", "in the registry"))
+
+
+def pushed_entries(client: RegistryClient, images: list[Image], flavor: str
+                   ) -> dict[str, LockEntry]:
+    """``pushed_entry`` of each image that has ``flavor``, by image name; an unreachable
+    registry answers nothing (planning works offline, from the lock alone)."""
+    found: dict[str, LockEntry] = {}
+    for image in images:
+        if flavor not in image.spec.flavors:
+            continue
+        try:
+            entry = pushed_entry(client, image, flavor)
+        except ImgpipeError:
+            return found
+        if entry is not None:
+            found[image.name] = entry
+    return found
