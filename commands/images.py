@@ -88,14 +88,26 @@ def plan_images(settings: Settings, images: tuple[str, ...], flavor: str | None,
         raise ConfigError(f"image {image.name} has no {flavor} flavor (it has "
                           f"{', '.join(image.spec.flavors)})", hint="pass --flavor")
     buildable = [image for image in chosen if flavor in image.spec.flavors]
-    wheels = wheels_dir or (settings.path(settings.build.wheels_dir)
-                            if settings.build.wheels_dir else None)
     lock = with_registry_entries(settings, read_lock(lock_path(settings.root)), buildable,
                                  flavor)
+    wheels = wheels_dir or (settings.path(settings.build.wheels_dir)
+                            if settings.build.wheels_dir else recorded_wheels(lock, flavor))
     items = make_plan(settings, buildable, flavor, lock, overrides=build_args,
                       base_override=base, wheels_dir=wheels,
                       resolver=BaseResolver(settings, _registry_for(settings)), force=force)
     return ImagePlan(_still_pushed(settings, items, lock), without, flavor, wheels)
+
+
+def recorded_wheels(lock: LockFile, flavor: str) -> Path | None:
+    """The wheels folder the last pushes of ``flavor`` were offered, when they agree and it
+    is still there: a plan without --wheels then sees the inputs the build saw."""
+    folders = {entry.wheels_dir for image in lock.images.values()
+               if (entry := image.get(flavor)) is not None}
+    if len(folders) == 1:
+        [folder] = folders
+        if folder and Path(folder).is_dir():
+            return Path(folder)
+    return None
 
 
 def with_registry_entries(settings: Settings, lock: LockFile, images: list[Image],

@@ -8,6 +8,7 @@ exactly which bytes to send and which hash to record.
 from __future__ import annotations
 
 import datetime as dt
+import fnmatch
 import json
 import tempfile
 import time
@@ -23,7 +24,7 @@ from imgpipe.base.errors import ConfigError, ImgpipeError
 from imgpipe.base.files import atomic_write
 from imgpipe.base.progress import Progress
 from imgpipe.pipeline.catalog import Image
-from imgpipe.pipeline.context import stage_context
+from imgpipe.pipeline.context import stage_context, wheels_in
 from imgpipe.pipeline.gitinfo import Revision
 from imgpipe.pipeline.lock import LockFile
 from imgpipe.pipeline.plan import PlanItem, plan_image
@@ -48,6 +49,8 @@ class BuildRecord(BaseModel):
     base: str
     base_digest: str | None
     built_at: str
+    build_args: dict[str, str] = {}
+    wheels_dir: str | None = None  # the folder offered: plan and push find it again
 
 
 def state_file(settings: Settings) -> Path:
@@ -168,6 +171,7 @@ def build_item(settings: Settings, client: BuildClient, item: PlanItem,
     """Build one planned image and record it for push."""
     from imgpipe.base.engine import BuildRequest, run_build
 
+    require_wheels(settings, item, wheels_dir, secret_overrides)
     if item.base_digest is None:
         base = item.build_args["BASE_IMAGE"]
         raise ConfigError(
@@ -198,10 +202,27 @@ def build_item(settings: Settings, client: BuildClient, item: PlanItem,
     write_record(settings, BuildRecord(
         image=item.image.name, flavor=item.flavor, image_id=image_id, repository=repository,
         tags=names, input_hash=item.input_hash, inputs=item.inputs,
-        base=item.build_args["BASE_IMAGE"], base_digest=item.base_digest, built_at=now))
+        base=item.build_args["BASE_IMAGE"], base_digest=item.base_digest, built_at=now,
+        build_args=item.build_args, wheels_dir=str(wheels_dir) if wheels_dir else None))
     progress.step(f"built {item.key} in {seconds:.1f} s: {image_id[:19]}")
     return BuildOutcome(item.image.name, item.flavor, "built", item.reason, image_id,
                         tuple(names), seconds)
+
+
+def require_wheels(settings: Settings, item: PlanItem, wheels_dir: Path | None,
+                   secret_overrides: dict[str, Path]) -> None:
+    """A flavor's required wheels are offered, or a pip config names an index that may
+    serve them: never a silent fall-back to PyPI (whose torch is the 5 GB CUDA build)."""
+    patterns = item.image.flavor(item.flavor).required_wheels
+    if not patterns or "pip_config" in secret_overrides or settings.build.secrets.pip_config:
+        return
+    offered = [wheel.name for wheel in wheels_in(wheels_dir)]
+    missing = [p for p in patterns if not any(fnmatch.fnmatch(name, p) for name in offered)]
+    if missing:
+        where = f"in {wheels_dir}" if wheels_dir else "(no --wheels folder)"
+        raise ConfigError(f"{item.key} needs a wheel matching {missing[0]} and none is offered "
+                          f"{where}", hint="pass --wheels DIR holding it (or build.wheels_dir), "
+                          "or a pip_config secret naming an index that serves it")
 
 
 def skipped(item: PlanItem) -> BuildOutcome:

@@ -32,6 +32,9 @@ class Flavor(_Strict):
     base: str = Field(description="base image, passed as the BASE_IMAGE build arg")
     build_args: dict[str, str] = Field(default_factory=dict)
     tag_suffix: str = Field(default="", description="appended to every tag, e.g. -cpu")
+    required_wheels: list[str] = Field(default_factory=list, description="wheel name patterns "
+                                       "(torch-*+cpu-*.whl) a build of this flavor must be "
+                                       "offered, unless a pip config names an index")
 
     @field_validator("build_args")
     @classmethod

@@ -133,17 +133,18 @@ def context_files(folder: Path) -> list[ContextFile]:
 class Wheel:
     name: str
     size: int
+    sha256: str = ""  # of the content: a rebuilt wheel under the same name is a change
 
 
 def wheels_in(folder: Path | None) -> list[Wheel]:
-    """The wheels offered to builds (identified by name and size: wheel names are versioned)."""
+    """The wheels offered to builds, each with the hash of its content."""
     if folder is None:
         return []
     if not folder.is_dir():
         raise ConfigError(f"wheels directory {folder} does not exist",
                           hint="pass --wheels with a folder of .whl files, or leave it out")
-    return sorted((Wheel(p.name, p.stat().st_size) for p in folder.glob("*.whl")),
-                  key=lambda w: w.name)
+    return sorted((Wheel(p.name, p.stat().st_size, file_sha256(p))
+                   for p in folder.glob("*.whl")), key=lambda w: w.name)
 
 
 def stage_context(folder: Path, files: list[ContextFile], wheels_dir: Path | None,

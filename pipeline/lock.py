@@ -40,6 +40,8 @@ class LockEntry(BaseModel):
     pushed_at: str
     squashfs: str | None = None
     squashfs_sha256: str | None = None
+    build_args: dict[str, str] = {}  # the values, beside their hash in inputs
+    wheels_dir: str | None = None  # the wheels folder the build was offered
 
     @property
     def pinned(self) -> str:

@@ -72,7 +72,7 @@ def compute_inputs(image: Image, flavor: str, build_args: dict[str, str],
         "base": base_digest or f"unresolved:{build_args['BASE_IMAGE']}",
         "labels": _digest(image.spec.labels),
         "secrets": _digest(sorted(image.spec.secrets)),
-        "wheels": _digest([[w.name, w.size] for w in wheels_in(wheels_dir)]),
+        "wheels": _digest([[w.name, w.sha256] for w in wheels_in(wheels_dir)]),
     }
     return inputs, files
 

@@ -75,7 +75,8 @@ def push_record(client: BuildClient, registry: RegistryClient, record: BuildReco
         repository=record.repository, tags=record.tags, digest=digest,
         config_digest=manifest.config_digest, input_hash=record.input_hash,
         inputs=record.inputs, flavor=record.flavor, base=record.base,
-        base_digest=record.base_digest, size=manifest.size,
+        base_digest=record.base_digest, size=manifest.size, build_args=record.build_args,
+        wheels_dir=record.wheels_dir,
         pushed_at=dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat(),
     )
     with updating_lock(lock_file) as lock:

@@ -22,7 +22,8 @@ def make_image(root: Path, name: str = "bert", **extra: object) -> Path:
     folder = root / name
     folder.mkdir(parents=True)
     spec = {"name": name, "repository": f"imgpipe/{name}", "version": "0.1.0",
-            "flavors": {"cpu": {"base": "debian:12", "tag_suffix": "-cpu"}}, **extra}
+            "flavors": {"cpu": {"base": "debian:12", "tag_suffix": "-cpu"}}}
+    spec.update(extra)
     (folder / "image.yaml").write_text(yaml.safe_dump(spec))
     (folder / "Dockerfile").write_text("ARG BASE_IMAGE\nFROM $BASE_IMAGE\nCOPY app /app\n")
     (folder / "app").mkdir()
@@ -149,3 +150,39 @@ def test_the_lock_pins_its_squashfs_file_only_while_it_is_one(tmp_path: Path) ->
     assert entry.reference == Reference.parse(f"head:5000/imgpipe/bert@sha256:{'d' * 64}")
     with pytest.raises(ConfigError, match="no pushed nccl/cpu to convert"):
         LockFile(images={"bert": {"cpu": entry}}).require("nccl", "cpu", "to convert")
+
+
+def test_a_flavor_that_needs_a_cpu_torch_wheel_is_never_built_without_one(tmp_path: Path
+                                                                          ) -> None:
+    """bert's cpu flavor pins torch==VERSION+cpu: without the wheel offered (or a pip config
+    naming an index), the build is refused in one line before the engine is called, rather
+    than pulling PyPI's 5 GB CUDA torch under the cpu tags."""
+    from imgpipe.base.config import Settings
+    from imgpipe.pipeline.builds import require_wheels
+
+    folder = make_image(tmp_path / "images", flavors={"cpu": {
+        "base": "debian:12", "required_wheels": ["torch-*+cpu-*.whl"]}})
+    item = plan(folder, LockFile())
+    settings = Settings(root=tmp_path)
+    with pytest.raises(ConfigError, match=r"bert/cpu needs a wheel matching torch-\*\+cpu-\*"
+                       r"\.whl and none is offered \(no --wheels folder\)"):
+        require_wheels(settings, item, None, {})
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "torch-2.13.0-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"cuda")
+    with pytest.raises(ConfigError, match="none is offered in"):
+        require_wheels(settings, item, wheels, {})
+    (wheels / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"cpu")
+    require_wheels(settings, item, wheels, {})
+    require_wheels(settings, item, None, {"pip_config": tmp_path / "pip.conf"})
+
+
+def test_the_wheels_are_an_input_by_content(tmp_path: Path) -> None:
+    folder = make_image(tmp_path / "images")
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    wheel = wheels / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"
+    wheel.write_bytes(b"a" * 100)
+    lock = pushed(plan(folder, LockFile(), wheels_dir=wheels))
+    wheel.write_bytes(b"b" * 100)  # same name, same size: rebuilt
+    assert plan(folder, lock, wheels_dir=wheels).reason == "changed: wheels"
