@@ -87,9 +87,9 @@ def tag_names(image: Image, flavor: str, revision: Revision | None) -> list[str]
     suffix = image.flavor(flavor).tag_suffix
     names = [image.spec.version]
     if revision is not None:
-        names.append(revision.tag)
+        names += [revision.tag, *revision.ref_tags()]
     names.append("latest")
-    return [f"{name}{suffix}" for name in names]
+    return list(dict.fromkeys(f"{name}{suffix}" for name in names))
 
 
 def labels_for(item: PlanItem, revision: Revision | None, now: str) -> dict[str, str]:
@@ -98,8 +98,6 @@ def labels_for(item: PlanItem, revision: Revision | None, now: str) -> dict[str,
         f"{LABEL_PREFIX}.title": spec.name,
         f"{LABEL_PREFIX}.version": spec.version,
         f"{LABEL_PREFIX}.created": now,
-        f"{LABEL_PREFIX}.source": (revision.remote if revision and revision.remote
-                                   else str(item.image.folder)),
         f"{LABEL_PREFIX}.base.name": item.build_args["BASE_IMAGE"],
         HASH_LABEL: item.input_hash,
         INPUTS_LABEL: json.dumps(item.inputs, sort_keys=True, separators=(",", ":")),
@@ -108,7 +106,10 @@ def labels_for(item: PlanItem, revision: Revision | None, now: str) -> dict[str,
     if spec.description:
         labels[f"{LABEL_PREFIX}.description"] = spec.description
     if revision is not None:
-        labels[f"{LABEL_PREFIX}.revision"] = revision.tag
+        labels[f"{LABEL_PREFIX}.revision"] = revision.full_sha + ("-dirty" if revision.dirty
+                                                                 else "")
+        if revision.source:
+            labels[f"{LABEL_PREFIX}.source"] = revision.source
     labels.update(spec.labels)
     return labels
 
