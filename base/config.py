@@ -108,6 +108,9 @@ class BuildConfig(_Strict):
         default=None, description="a folder of .whl files offered to builds (air-gapped sites)")
     timeout_s: int = Field(default=7200, ge=60)
     selftest_timeout_s: int = Field(default=900, ge=10)
+    registry_cache: bool = Field(default=True, description="reuse layers from the head-node "
+                                 "registry's last push (BuildKit inline cache, or a buildx "
+                                 "registry cache): a fresh runner does not rebuild them")
 
 
 class EnrootConfig(_Strict):

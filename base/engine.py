@@ -134,6 +134,9 @@ class BuildRequest:
     secrets: dict[str, Path] = field(default_factory=dict)
     timeout_s: float = 7200
     cache: bool = True
+    # Registry references whose layers may be reused (the last push); with buildx the first
+    # is also where the cache is exported (a registry cache, mode=max).
+    cache_from: list[str] = field(default_factory=list)
 
 
 def _secret_specs(secrets: dict[str, Path]) -> list[str]:
@@ -163,6 +166,12 @@ def _build_builtin(client: BuildClient, request: BuildRequest,
             argv += ["--tag", tag]
         if not request.cache:
             argv.append("--no-cache")
+        elif request.cache_from:
+            # The built-in BuildKit exports no registry cache: inline cache metadata in the
+            # pushed image itself, which the next build (any runner) names as --cache-from.
+            argv += ["--build-arg", "BUILDKIT_INLINE_CACHE=1"]
+            for ref in request.cache_from:
+                argv += ["--cache-from", ref]
         argv.append(str(request.context))
         stream(argv, on_line, timeout=request.timeout_s,
                env={"DOCKER_BUILDKIT": "1", **client.env},
@@ -189,6 +198,10 @@ def _build_buildx(client: BuildClient, request: BuildRequest,
                 secrets=_secret_specs(request.secrets), load=True, network="host",
                 progress="plain", stream_logs=True, cache=request.cache,
                 metadata_file=metadata,
+                cache_from=([{"type": "registry", "ref": ref} for ref in request.cache_from]
+                            if request.cache else None),
+                cache_to=({"type": "registry", "ref": request.cache_from[0], "mode": "max"}
+                          if request.cache and request.cache_from else None),
             )
             assert logs is not None and not isinstance(logs, Image)  # stream_logs: lines
             for line in logs:

@@ -194,6 +194,7 @@ def build_item(settings: Settings, client: BuildClient, item: PlanItem,
                 tags=[f"{repository}:{name}" for name in names], build_args=item.build_args,
                 labels=labels_for(item, revision, now), secrets=secrets,
                 timeout_s=settings.build.timeout_s, cache=cache,
+                cache_from=cache_refs(settings, client, repository, item),
             )
             try:
                 image_id = run_build(client, request, progress.detail)
@@ -208,6 +209,19 @@ def build_item(settings: Settings, client: BuildClient, item: PlanItem,
     progress.step(f"built {item.key} in {seconds:.1f} s: {image_id[:19]}")
     return BuildOutcome(item.image.name, item.flavor, "built", item.reason, image_id,
                         tuple(names), seconds)
+
+
+def cache_refs(settings: Settings, client: BuildClient, repository: str, item: PlanItem
+               ) -> list[str]:
+    """Where a build finds layers to reuse in the head-node registry: with buildx, a cache
+    tag of its own (exported there, mode=max, every stage); with the engine's built-in
+    BuildKit, the last pushed images (their inline cache)."""
+    if not settings.build.registry_cache:
+        return []
+    suffix = item.image.flavor(item.flavor).tag_suffix
+    if client.build_path == "buildx":
+        return [f"{repository}:buildcache{suffix}"]
+    return [f"{repository}:{item.image.spec.version}{suffix}", f"{repository}:latest{suffix}"]
 
 
 def require_wheels(settings: Settings, item: PlanItem, wheels_dir: Path | None,
