@@ -169,8 +169,18 @@ def _build_builtin(client: BuildClient, request: BuildRequest,
         elif request.cache_from:
             # The built-in BuildKit exports no registry cache: inline cache metadata in the
             # pushed image itself, which the next build (any runner) names as --cache-from.
+            # The 20.10 engine then wants the layers in its own store ("failed to get layer
+            # …: layer does not exist" on a fresh engine): pull the cache image first.
             argv += ["--build-arg", "BUILDKIT_INLINE_CACHE=1"]
+            engine = Engine(client.docker_host, timeout=3600)
             for ref in request.cache_from:
+                try:
+                    if engine.image_id(ref) is None:
+                        on_line(f"cache: pull {ref}")
+                        engine.pull(ref)
+                except EngineError as exc:  # first build, or the registry is away: no cache
+                    on_line(f"cache: {ref} unavailable ({exc.message})")
+                    continue
                 argv += ["--cache-from", ref]
         argv.append(str(request.context))
         stream(argv, on_line, timeout=request.timeout_s,

@@ -47,15 +47,22 @@ def timed(folder: Path, *args: str) -> float:
 
 
 def fresh_engine(folder: Path, repository: str) -> None:
-    """Forget every local trace of the image: its tags, BuildKit's cache, the build record."""
-    listed = subprocess.run([services.DOCKER, "image", "ls", "--format",
-                             "{{.Repository}}:{{.Tag}}", repository], capture_output=True,
-                            text=True, check=True).stdout.split()
-    if listed:
-        subprocess.run([services.DOCKER, "image", "rm", "-f", *listed], check=True,
-                       capture_output=True)
+    """Forget every local trace of the image: every bert image in the engine (tags of any
+    registry share its layers: leaving one would keep the layers), BuildKit's cache, the
+    build record."""
+    # BuildKit's cache first: records that outlive the images they point into break the
+    # 20.10 engine's next export ("layer does not exist").
     subprocess.run([services.DOCKER, "builder", "prune", "-af"], check=True,
                    capture_output=True)
+    listed = subprocess.run([services.DOCKER, "image", "ls", "--format",
+                             "{{.Repository}}:{{.Tag}} {{.ID}}"], capture_output=True,
+                            text=True, check=True).stdout.splitlines()
+    bert = sorted({line.split()[1] for line in listed
+                   if line.split()[0].rsplit(":", 1)[0].endswith("/bert")})
+    if bert:
+        subprocess.run([services.DOCKER, "image", "rm", "-f", *bert], check=True,
+                       capture_output=True)
+    subprocess.run([services.DOCKER, "image", "prune", "-f"], check=True, capture_output=True)
     shutil.rmtree(folder / "build" / "state", ignore_errors=True)
 
 
