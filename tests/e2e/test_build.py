@@ -76,6 +76,7 @@ def lock_of(project: CliRun) -> dict:
     return json.loads((project.folder / "imgpipe.lock").read_text())
 
 
+@pytest.mark.slow
 def test_bert_cpu_builds_selftests_and_pushes_with_the_registry_digest(
     project: CliRun, registry_server
 ) -> None:
@@ -198,6 +199,7 @@ def _hello_tag(project: CliRun) -> str:
     return f"{entry['repository']}:{entry['tags'][0]}"
 
 
+@pytest.mark.slow
 def test_build_secrets_reach_no_layer_history_or_log(project: CliRun) -> None:
     os.environ["NGC_API_KEY"] = NGC_SECRET
     try:

@@ -11,7 +11,11 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.cluster import USERS, ensure_users, shared_folder, system_imgpipe
+
+pytestmark = pytest.mark.slow  # every test here takes over 20 s
 
 RUNNER = USERS[1]
 REPO = Path(__file__).resolve().parents[2]

@@ -25,6 +25,8 @@ from imgpipe.recipes.profiles import load_profile
 from imgpipe.recipes.render import RecipeInputs, render_bundle
 from tests.cluster import USERS, Submitter, journal, owned_by, shared_folder, wait_until
 
+pytestmark = pytest.mark.slow  # every test here takes over 20 s
+
 ALICE, BOB = USERS
 
 

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # every test here takes over 20 s
+
 
 def test_sandbox_up_status_run_down(cli, tmp_path: Path) -> None:
     cli.write_config({"outputs": {"state_dir": str(tmp_path / "state")}})

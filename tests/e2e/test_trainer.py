@@ -116,6 +116,7 @@ def test_compiled_ddp_with_no_sync_trains_like_eager(single_process_run, tmp_pat
                                                        "compile"), rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_and_resume_logs_the_same_losses(shards, tiny_config,
                                                              tmp_path) -> None:
     common = ["--max_steps=40", "--log_freq=1", "--num_steps_per_checkpoint=1000",
@@ -233,6 +234,7 @@ def test_fewer_shards_than_ranks_is_refused(tiny_config, tmp_path) -> None:
         "there must be at least as many shards as ranks")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_runs_train_end_to_end(precision, shards, tiny_config,
                                                tmp_path) -> None:
