@@ -58,6 +58,11 @@ class Conversion:
     layers: list[LayerCounts] = field(default_factory=list)
 
     @property
+    def pinned(self) -> Reference:
+        """The image converted, by its manifest digest."""
+        return Reference.parse(self.reference).with_digest(self.digest)
+
+    @property
     def squashfs(self) -> SquashfsPath:
         """The published file, as recipes pin it."""
         return SquashfsPath(self.path)

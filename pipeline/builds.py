@@ -52,6 +52,10 @@ class BuildRecord(BaseModel):
     build_args: dict[str, str] = {}
     wheels_dir: str | None = None  # the folder offered: plan and push find it again
 
+    def reference(self, tag: str) -> Reference:
+        """``repository:tag`` of this build, as the registry names it."""
+        return Reference.parse(f"{self.repository}:{tag}")
+
 
 def state_file(settings: Settings) -> Path:
     return settings.path(settings.outputs.state_dir) / "builds.json"

@@ -50,12 +50,12 @@ def push_record(client: BuildClient, registry: RegistryClient, record: BuildReco
     """Push every tag of ``record``, verify the digest, and record it in the lock."""
     docker_engine = Engine(client.docker_host, timeout=3600)
     ensure_local(docker_engine, record)
-    repo_path = record.repository.split("/", 1)[1]
+    repo_path = record.reference(record.tags[0]).repository
     started = time.monotonic()
     progress.step(f"push {record.image}/{record.flavor} -> {record.repository}")
     try:
         for tag in record.tags:
-            target = f"{record.repository}:{tag}"
+            target = str(record.reference(tag))
             docker_engine.push(target, progress.transfer(f"push {target}", None),
                                progress.detail)
     finally:
