@@ -17,33 +17,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from imgpipe.cli.main import main  # noqa: E402
+from bench.timing import timed  # noqa: E402
 from tests import services  # noqa: E402
-
-
-def timed(folder: Path, *args: str) -> float:
-    old = Path.cwd()
-    os.chdir(folder)
-    try:
-        started = time.perf_counter()
-        code = main(list(args))
-        elapsed = time.perf_counter() - started
-    finally:
-        os.chdir(old)
-    if code != 0:
-        raise SystemExit(f"imgpipe {' '.join(args)} exited {code}")
-    return elapsed
 
 
 def run(repeat: int) -> None:

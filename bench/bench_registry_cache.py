@@ -17,33 +17,17 @@ Needs a Docker engine, the debootstrap base image and a CPU torch wheel.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from imgpipe.cli.main import main  # noqa: E402
+from bench.timing import timed  # noqa: E402
 from tests import services  # noqa: E402
-
-
-def timed(folder: Path, *args: str) -> float:
-    old = Path.cwd()
-    os.chdir(folder)
-    try:
-        started = time.perf_counter()
-        code = main([*args, "--json"])
-        elapsed = time.perf_counter() - started
-    finally:
-        os.chdir(old)
-    if code != 0:
-        raise SystemExit(f"imgpipe {' '.join(args)} exited {code}")
-    return elapsed
 
 
 def fresh_engine(folder: Path, repository: str) -> None:
@@ -82,12 +66,13 @@ def run() -> None:
         try:
             shutil.copytree(ROOT / "images" / "bert", folder / "images" / "bert")
             configure(folder, registry.port, True)
-            seed = timed(folder, "build", "bert") + timed(folder, "push", "bert")
+            seed = (timed(folder, "build", "bert", "--json")
+                    + timed(folder, "push", "bert", "--json"))
             fresh_engine(folder, repository)
-            cached = timed(folder, "build", "bert", "--force")
+            cached = timed(folder, "build", "bert", "--force", "--json")
             fresh_engine(folder, repository)
             configure(folder, registry.port, False)
-            uncached = timed(folder, "build", "bert", "--force")
+            uncached = timed(folder, "build", "bert", "--force", "--json")
         finally:
             registry.stop()
     print(f"\nseed build + push:                       {seed:8.1f} s", file=sys.stderr)
