@@ -213,6 +213,7 @@ class Sandbox:
         if self.is_up():
             return
         self.down()  # whatever a crashed earlier run left
+        self._clear_leftovers()
         overlapping = _routes_overlapping(self.spec.network)
         if overlapping:
             raise SandboxError(f"the sandbox range {self.spec.network} is already routed "
@@ -230,6 +231,26 @@ class Sandbox:
         except BaseException:
             self.down()
             raise
+
+    def _clear_leftovers(self) -> None:
+        """Remove the namespaces and bridge of a same-named sandbox whose run died without
+        its state file (another root folder, a killed test session).  Namespaces that
+        still hold processes belong to a live sandbox: refuse rather than pull its network."""
+        spec = self.spec
+        listed = {line.split()[0] for line in
+                  _ip("netns", "list", check=False).stdout.splitlines() if line.strip()}
+        leftover = [h.namespace for h in spec.hosts if h.namespace in listed]
+        for namespace in leftover:
+            if _ip("netns", "pids", namespace, check=False).stdout.split():
+                raise SandboxError(f"a sandbox named {spec.name!r} is running already "
+                                   f"(namespace {namespace} holds processes)",
+                                   hint="stop it with 'imgpipe sandbox down' from its --root, "
+                                        "or pick another --name and --subnet")
+        for namespace in leftover:
+            _ip("netns", "del", namespace, check=False)
+            shutil.rmtree(Path("/etc/netns") / namespace, ignore_errors=True)
+        if _ip("link", "show", spec.bridge, check=False).returncode == 0:
+            _ip("link", "del", spec.bridge, check=False)
 
     def _network(self, state: State) -> None:
         spec = self.spec

@@ -34,3 +34,40 @@ def test_sandbox_up_status_run_down(cli, tmp_path: Path) -> None:
     code, _, err = cli("sandbox", "run", "--", "true")
     assert code == 2 and "not up" in err
     assert not (tmp_path / "state" / "sandbox" / "sandbox.json").exists()
+
+
+def test_a_killed_sandbox_does_not_block_the_next_and_a_live_one_is_not_taken_over(
+        cli, tmp_path: Path) -> None:
+    """A test session killed mid-run leaves namespaces and a bridge but no daemons, and its
+    state file in a folder the next run does not know: the next ``up`` of that name clears
+    them.  A same-named sandbox that is alive is refused, its network left alone."""
+    import contextlib
+    import json
+    import os
+    import signal
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    args = ("sandbox", "up", "--nodes", "1", "--subnet", "10.213.13", "--name", "imgpk",
+            "--cpus", "2")
+    cli.write_config({"outputs": {"state_dir": str(first)}})
+    try:
+        code, out, err = cli(*args)
+        assert code == 0, out + err
+        cli.write_config({"outputs": {"state_dir": str(second)}})
+        code, out, err = cli(*args)
+        assert code != 0 and "running already" in err, out + err
+        cli.write_config({"outputs": {"state_dir": str(first)}})
+        assert cli("sandbox", "run", "--", "scontrol", "ping")[0] == 0
+        # Kill the first sandbox's daemons the way a killed session does: no teardown.
+        state = json.loads((first / "sandbox" / "sandbox.json").read_text())
+        for pid in state["pids"].values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        cli.write_config({"outputs": {"state_dir": str(second)}})
+        code, out, err = cli(*args)
+        assert code == 0, out + err
+        assert cli("sandbox", "run", "--host", "node1", "--", "scontrol", "ping")[0] == 0
+    finally:
+        for state_dir in (second, first):
+            cli.write_config({"outputs": {"state_dir": str(state_dir)}})
+            cli("sandbox", "down")
