@@ -19,6 +19,7 @@ from imgpipe.commands.images import (
     plan_images,
     push_images,
     run_selftest,
+    unconverted,
 )
 from imgpipe.pipeline.catalog import Image, load_catalog, select
 from imgpipe.pipeline.lock import lock_path
@@ -132,7 +133,11 @@ def push(ctx: click.Context, images: tuple[str, ...], then_convert: bool,
 
     Pushes every tag, reads the manifest digest back from the registry, checks
     that its config is the image that was built, and writes imgpipe.lock
-    atomically (a failed push leaves it as it was).
+    atomically (a failed push leaves it as it was).  An image not built here
+    whose inputs the registry holds already (pushed by CI or a colleague:
+    `imgpipe build` said "up to date") is recorded in the lock, not pushed.
+    --convert makes the squashfs of what it pushed or recorded, or of what the
+    lock pins without one.
 
     \b
     Example:
@@ -140,19 +145,26 @@ def push(ctx: click.Context, images: tuple[str, ...], then_convert: bool,
     """
     settings = settings_of(ctx)
     progress = Progress(choose_mode(invocation(ctx).json))
-    outcomes = push_images(settings, images, progress, force)
-    if not outcomes:
-        return Result({"images": []}, ["nothing to push: imgpipe.lock is up to date"])
-    lines = [f"{o.image}/{o.flavor}: {o.pinned}" for o in outcomes]
+    done = push_images(settings, images, progress, force)
+    if not done.pushed and not done.adopted:
+        lines = ["nothing to push: imgpipe.lock is up to date"]
+    else:
+        lines = [f"{o.image}/{o.flavor}: {o.pinned}" for o in done.pushed]
+        lines += [f"{key}: {entry.pinned} (in the registry already, pushed "
+                  f"{entry.pushed_at}; recorded in imgpipe.lock)"
+                  for key, entry in done.adopted.items()]
     squashfs = {}
     if then_convert:
-        for outcome in outcomes:
-            done = convert_and_record(settings, outcome.image, outcome.flavor, None, False,
-                                      progress)
-            squashfs[f"{outcome.image}/{outcome.flavor}"] = str(done.path)
-            lines.append(f"{outcome.image}/{outcome.flavor}: {done.path}")
-    return Result({"images": outcomes, "lock": lock_path(settings.root),
-                   "squashfs": squashfs}, lines)
+        keys = [(o.image, o.flavor) for o in done.pushed]
+        keys += [(key.split("/")[0], key.split("/")[1]) for key in done.adopted]
+        if not keys:  # nothing new: the squashfs of what the lock pins, where it is missing
+            keys = unconverted(settings, images)
+        for name, flavor in keys:
+            converted = convert_and_record(settings, name, flavor, None, False, progress)
+            squashfs[f"{name}/{flavor}"] = str(converted.path)
+            lines.append(f"{name}/{flavor}: {converted.path}")
+    return Result({"images": done.pushed, "adopted": done.adopted,
+                   "lock": lock_path(settings.root), "squashfs": squashfs}, lines)
 
 
 @click.command(context_settings=CONTEXT)

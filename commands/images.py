@@ -205,31 +205,73 @@ def build_images(settings: Settings, plan: ImagePlan, secrets: dict[str, Path],
     return Built(outcomes, client is not None)
 
 
+@dataclass(frozen=True)
+class Pushed:
+    """What `imgpipe push` did: the builds it pushed, and the images it found in the
+    registry already, pushed from the same inputs by another machine (a CI runner, a
+    colleague), which it recorded in imgpipe.lock without pushing (by image/flavor)."""
+
+    pushed: list[PushOutcome] = field(default_factory=list)
+    adopted: dict[str, LockEntry] = field(default_factory=dict)
+
+
 def push_images(settings: Settings, images: tuple[str, ...], progress: Progress,
-                force: bool = False) -> list[PushOutcome]:
+                force: bool = False) -> Pushed:
     """Push the builds (of ``images``, or all) whose inputs the lock does not hold yet, or
-    whose recorded manifest the registry lost; every one with ``force``."""
+    whose recorded manifest the registry lost; every one with ``force``.  An image with no
+    build here whose inputs the registry holds already (``imgpipe build`` said "up to
+    date" from the registry) is recorded in the lock instead: it is pushed, by someone."""
     records = read_records(settings)
     lock = read_lock(lock_path(settings.root))
     if images:
         select(load_catalog(settings), images)  # unknown names are an error
         chosen = [r for r in records.values() if r.image in images]
-        missing = sorted(set(images) - {r.image for r in chosen})
-        if missing:
-            raise ImgpipeError(f"{missing[0]} has not been built here",
-                               hint=f"imgpipe build {missing[0]}")
     else:
         chosen = list(records.values())
+    unbuilt = tuple(sorted(set(images) - {r.image for r in chosen}))
+    adopted = adopt_pushed(settings, unbuilt, progress) if unbuilt else {}
     pending = [r for r in chosen
                if force or (e := lock.entry(r.image, r.flavor)) is None
                or e.input_hash != r.input_hash or gone_from_registry(settings, e)]
+    if not images and not records:
+        adopted = adopt_pushed(settings, (), progress)
     if not pending:
-        return []
+        return Pushed([], adopted)
     registry = registry_client(settings)
     registry.ping()
     client = find_build_client(settings.docker.client, settings.docker.host)
-    return [push_record(client, registry, record, lock_path(settings.root), progress)
-            for record in pending]
+    return Pushed([push_record(client, registry, record, lock_path(settings.root), progress)
+                   for record in pending], adopted)
+
+
+def unconverted(settings: Settings, images: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(image, flavor) pairs of ``images`` (default: all) that imgpipe.lock pins with no
+    squashfs file for their digest here."""
+    lock = read_lock(lock_path(settings.root))
+    return [(name, flavor) for name, flavors in sorted(lock.images.items())
+            if not images or name in images
+            for flavor, entry in sorted(flavors.items()) if entry.squashfs_file() is None]
+
+
+def adopt_pushed(settings: Settings, names: tuple[str, ...], progress: Progress
+                 ) -> dict[str, LockEntry]:
+    """Record in the lock what the registry holds for ``names`` (default: every image) in
+    the default flavor when the plan calls it up to date; a named image that would need a
+    build is an error (it has not been built here)."""
+    plan = plan_images(settings, names, None, {}, None, None)
+    current = tuple(item.image.name for item in plan.items if item.action == "up to date")
+    stale = [item.image.name for item in plan.items if item.action != "up to date"]
+    if names and stale:
+        raise ImgpipeError(f"{stale[0]} has not been built here",
+                           hint=f"imgpipe build {stale[0]}")
+    if not current:
+        return {}
+    pulled = pull_lock(settings, current, (plan.flavor,))
+    for key in pulled.changed:
+        entry = pulled.entries[key]
+        progress.step(f"{key}: the registry holds this build already (pushed "
+                      f"{entry.pushed_at} from the same inputs); recorded in imgpipe.lock")
+    return {key: pulled.entries[key] for key in pulled.changed}
 
 
 def run_selftest(settings: Settings, image: Image, flavor: str, progress: Progress) -> str:

@@ -148,6 +148,35 @@ def test_a_manifest_deleted_from_the_registry_is_pushed_again(project: CliRun,
     assert code == 0 and "nothing to push" not in out, err
 
 
+def test_a_fresh_checkout_pushes_nothing_the_registry_holds_and_records_it(
+        project: CliRun, tmp_path: Path, capsys) -> None:
+    """Another machine pushed these inputs: on a fresh checkout `build` says up to date
+    (the registry's labels), and `imgpipe build hello && imgpipe push hello --convert`
+    records the registry's digest in the lock and makes the squashfs, pushing nothing."""
+    assert project("build", "hello")[0] == 0 and project("push", "hello")[0] == 0
+    pushed = lock_of(project)["images"]["hello"]["cpu"]
+    fresh = CliRun(tmp_path / "checkout", capsys)
+    shutil.copytree(project.folder / "images" / "hello", fresh.folder / "images" / "hello")
+    config = json.loads((project.folder / "imgpipe.yaml").read_text())
+    fresh.write_config({**config, "outputs": {"squashfs_dir": str(tmp_path / "sqsh")}})
+    code, out, err = fresh("build", "hello", "--json")
+    assert code == 0, err
+    assert json.loads(out)["data"]["engine_called"] is False
+    code, out, err = fresh("push", "hello", "--convert")
+    assert code == 0, out + err
+    assert "in the registry already" in out and "nothing to push" not in out
+    entry = lock_of(fresh)["images"]["hello"]["cpu"]
+    assert entry["digest"] == pushed["digest"] and entry["input_hash"] == pushed["input_hash"]
+    assert entry["squashfs"] and Path(entry["squashfs"]).read_bytes()[:4] == b"hsqs"
+    code, out, _ = fresh("push", "hello", "--convert")
+    assert code == 0 and "nothing to push" in out
+    assert lock_of(fresh)["images"]["hello"]["cpu"] == entry
+    # A name whose inputs nobody pushed is still "not built here".
+    (fresh.folder / "images" / "hello" / "hello.txt").write_text("changed\n")
+    code, _, err = fresh("push", "hello")
+    assert code != 0 and "hello has not been built here" in err
+
+
 def test_changing_one_payload_file_rebuilds_bert_only(project: CliRun) -> None:
     assert project("build", "hello")[0] == 0 and project("push", "hello")[0] == 0
     code, out, _ = project("plan", "bert", "hello", "--json")
