@@ -330,6 +330,11 @@ def print_summary(pins: dict[str, str], jobs: list[Job], made: dict[str, Any], r
         if numbers:
             print(f"  phase {phase} loss     {numbers['first_loss']:.3f} -> "
                   f"{numbers['final_loss']:.3f} in {numbers['steps']} steps")
+    trained = [summary[key] for key in ("phase1", "phase2") if summary.get(key)]
+    if trained:
+        first, final = trained[0]["first_loss"], trained[-1]["final_loss"]
+        print(f"  training loss    {first:.3f} -> {final:.3f}: "
+              f"{final / first:.2f} of the first")
     if "nccl" in summary:
         print(f"  nccl             {summary['nccl']['line']}")
     print(f"  report           {made['report']}")
