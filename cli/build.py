@@ -126,9 +126,12 @@ def build(ctx: click.Context, images: tuple[str, ...], flavor: str | None,
 @click.option("--convert", "then_convert", is_flag=True,
               help="Then convert each pushed image into a squashfs file (imgpipe convert).")
 @click.option("--force", is_flag=True, help="Push even what imgpipe.lock says is pushed.")
+@click.option("--flavor", type=click.Choice(["ngc", "cpu"]), default=None,
+              help="Only builds of this flavor; an image not built here is looked up in the "
+              "registry in it (default: default_flavor).")
 @reporting
 def push(ctx: click.Context, images: tuple[str, ...], then_convert: bool,
-         force: bool) -> Result:
+         force: bool, flavor: str | None) -> Result:
     """Push what `imgpipe build` built and record the digests in imgpipe.lock.
 
     Pushes every tag, reads the manifest digest back from the registry, checks
@@ -145,7 +148,7 @@ def push(ctx: click.Context, images: tuple[str, ...], then_convert: bool,
     """
     settings = settings_of(ctx)
     progress = Progress(choose_mode(invocation(ctx).json))
-    done = push_images(settings, images, progress, force)
+    done = push_images(settings, images, progress, force, flavor)
     if not done.pushed and not done.adopted:
         lines = ["nothing to push: imgpipe.lock is up to date"]
     else:

@@ -49,7 +49,7 @@ def up(ctx: click.Context, mode: str | None) -> Result:
     state, started = local.up()
     if state.mode == "external":
         lines = [f"registry already answering: {settings.registry.url} (external: not started "
-                 "by imgpipe, so `registry down` and `gc` leave it alone)"]
+                 "from this checkout, so `registry down` and `gc` here leave it alone)"]
         return Result({"started": False, "mode": "external", "url": settings.registry.url,
                        "data_dir": None, "pid": None, "container": None}, lines)
     verb = "started" if started else "already running"

@@ -11,19 +11,23 @@ Users submit from the head host, as on a login node:
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import sys
+from pathlib import Path
 
 import click
 
 from imgpipe.base import process
+from imgpipe.base.files import atomic_write
 from imgpipe.cli.clikit import CONTEXT, reporting, settings_of
 from imgpipe.cli.output import Result
-from imgpipe.recipes.sandbox import Sandbox, SandboxSpec
+from imgpipe.recipes.sandbox import Sandbox, SandboxError, SandboxSpec
 
 DEFAULT_SUBNET = "10.213.7"
 DEFAULT_NAME = "imgp"
+SHARED_FILE = "shared.json"  # a same-named sandbox of another checkout that `up` uses
 
 
 def _sandbox(ctx: click.Context, nodes: int = 2, subnet: str = DEFAULT_SUBNET,
@@ -35,10 +39,48 @@ def _sandbox(ctx: click.Context, nodes: int = 2, subnet: str = DEFAULT_SUBNET,
                                cpus=cpus or max(2, os.cpu_count() or 2)))
 
 
-def _saved(ctx: click.Context) -> Sandbox:
-    """The sandbox as ``up`` made it (its spec is kept in its state), else the default one."""
+def _own(ctx: click.Context) -> Sandbox:
+    """The sandbox this checkout started, as ``up`` made it (its spec is kept in its state),
+    else the default one."""
     default = _sandbox(ctx)
     return Sandbox.saved(default.root) or default
+
+
+def _pointer(ctx: click.Context) -> Path:
+    """Where ``up`` notes a same-named sandbox of another checkout that it uses."""
+    return _sandbox(ctx).root / SHARED_FILE
+
+
+def _saved(ctx: click.Context) -> Sandbox:
+    """The sandbox commands here act on: this checkout's own, else the live one of another
+    checkout that ``up`` found and uses."""
+    own = _own(ctx)
+    if own.is_up():
+        return own
+    try:
+        shared = Sandbox.saved(Path(json.loads(_pointer(ctx).read_text())["root"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        shared = None
+    return shared if shared is not None and shared.is_up() else own
+
+
+def _use_other(ctx: click.Context, cluster: Sandbox) -> Sandbox | None:
+    """A live sandbox of this name started from another folder (a second checkout on the
+    same machine): used as it is when it has the asked shape, refused otherwise."""
+    if cluster.is_up():
+        return None
+    other = Sandbox.running_named(cluster.spec.name)
+    if other is None or other.root == cluster.root:
+        return None
+    spec, theirs = cluster.spec, other.spec
+    if (theirs.compute_nodes, theirs.subnet) != (spec.compute_nodes, spec.subnet):
+        raise SandboxError(
+            f"a sandbox named {spec.name!r} is running already from {other.root} with "
+            f"{theirs.compute_nodes} nodes on {theirs.subnet}.0/24",
+            hint=f"use it as it is (--nodes {theirs.compute_nodes} --subnet {theirs.subnet}), "
+            "stop it with 'imgpipe sandbox down' there, or pick another --name and --subnet")
+    atomic_write(_pointer(ctx), json.dumps({"name": spec.name, "root": str(other.root)}) + "\n")
+    return other
 
 
 def _lines(sandbox: Sandbox, state: dict) -> list[str]:
@@ -84,20 +126,41 @@ def sandbox() -> None:
 @reporting
 def up_command(ctx: click.Context, nodes: int, subnet: str, cpus: int | None,
                name: str) -> Result:
-    """Start the cluster and wait until every node is idle (kept if already up)."""
+    """Start the cluster and wait until every node is idle (kept if already up).
+
+    A sandbox of the same name that another checkout started on this machine is used as
+    it is (same --nodes and --subnet), and left running by `sandbox down` here.
+    """
     cluster = _sandbox(ctx, nodes, subnet, cpus, name)
+    other = _use_other(ctx, cluster)
+    if other is not None:
+        state = {**other.status(), "started_here": False, "owner": str(other.root)}
+        return Result(state, [f"sandbox {name!r} is up already, started from {other.root}: "
+                              "using it (`imgpipe sandbox down` here leaves it running)",
+                              *_lines(other, state)])
+    _pointer(ctx).unlink(missing_ok=True)
     cluster.up()
-    state = cluster.status()
+    state = {**cluster.status(), "started_here": True, "owner": str(cluster.root)}
     return Result(state, _lines(cluster, state))
 
 
 @sandbox.command(name="down", context_settings=CONTEXT)
 @reporting
 def down_command(ctx: click.Context) -> Result:
-    """Cancel its jobs, stop its daemons, remove its namespaces (safe to repeat)."""
-    cluster = _saved(ctx)
+    """Cancel its jobs, stop its daemons, remove its namespaces (safe to repeat).
+
+    Only a sandbox started from here: one that `up` found running from another checkout
+    is left running.
+    """
+    shared = _saved(ctx)
+    cluster = _own(ctx)
+    _pointer(ctx).unlink(missing_ok=True)
+    if shared.root != cluster.root:
+        return Result({"up": True, "stopped": False, "owner": str(shared.root)},
+                      [f"sandbox {shared.spec.name!r} was started from {shared.root}: "
+                       "left running (stop it there)"])
     cluster.down()
-    return Result({"up": False}, ["sandbox: down"])
+    return Result({"up": False, "stopped": True}, ["sandbox: down"])
 
 
 @sandbox.command(name="status", context_settings=CONTEXT)

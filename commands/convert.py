@@ -7,24 +7,26 @@ from imgpipe.base.config import Settings
 from imgpipe.base.files import file_sha256
 from imgpipe.base.progress import Progress
 from imgpipe.base.units import parse_size
+from imgpipe.commands.pushed import require_pushed
 from imgpipe.commands.wiring import registry_client, squash_options, storage
 from imgpipe.enroot.convert import Conversion, convert
 from imgpipe.enroot.usage import prune
 from imgpipe.pipeline.catalog import load_catalog
-from imgpipe.pipeline.lock import lock_path, read_lock, updating_lock
+from imgpipe.pipeline.lock import lock_path, updating_lock
 from imgpipe.registry.reference import Reference
 
 
 def convert_and_record(settings: Settings, target: str, flavor: str, compression: str | None,
                        with_enroot: bool, progress: Progress) -> Conversion:
-    """Convert an image of the catalog (pinned by imgpipe.lock) or any reference."""
+    """Convert an image of the catalog (its pushed digest: imgpipe.lock, else the registry)
+    or any reference."""
     is_name = "/" not in target and ":" not in target and "@" not in target
     catalog = (load_catalog(settings)
                if is_name and settings.path(settings.images_dir).is_dir() else {})
     image = catalog.get(target)
     lock_file = lock_path(settings.root)
     if image is not None:
-        ref = read_lock(lock_file).require(image.name, flavor, "to convert").reference
+        ref = require_pushed(settings, image.name, flavor, "to convert", progress).reference
         options = squash_options(settings, image.spec.squashfs_compression, compression)
     else:
         ref = Reference.parse(target, default_registry=settings.registry.address)

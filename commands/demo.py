@@ -98,8 +98,10 @@ def wheels() -> list[str]:
     return []
 
 
-def images(state: dict[str, Any]) -> dict[str, Any]:
-    imgpipe("registry", "up")
+def images(state: dict[str, Any], shared: list[str]) -> dict[str, Any]:
+    served = imgpipe("registry", "up", capture=True)
+    if served["mode"] == "external":
+        shared.append(f"the registry on {served['url']}")
     imgpipe("base-image", "--tag", "imgpipe/debian-python:bookworm")
     built = imgpipe("build", "bert", "--flavor", "cpu", *wheels(), capture=True)
     outcome = built["images"][0]
@@ -213,20 +215,23 @@ def submit_and_wait(cluster: Sandbox, recipes: Path, jobs_dir: Path, job: Job, a
         raise SystemExit(f"error: {command} failed: {done.stderr.strip()}")
     job.id = done.stdout.strip().split(";")[0]
     say(f"$ {command.replace(str(recipes) + '/', '')}  -> job {job.id}")
-    last_print = 0.0
+    last_print, shown = 0.0, ""
+    on_terminal = sys.stdout.isatty()
     while True:
         job_info(cluster, job)
         if phase:
             job.step, job.loss = last_step(results, phase)
-        now = time.monotonic()
-        if now - last_print >= 3:
-            say(show(all_jobs))
-            last_print = now
+        now, line = time.monotonic(), show(all_jobs)
+        # A terminal gets a heartbeat every 3 s; a log a line only when something changed.
+        if (now - last_print >= 3) if on_terminal else line != shown:
+            say(line)
+            last_print, shown = now, line
         if job.state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
                          "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"):
             break
         time.sleep(1)
-    say(show(all_jobs))
+    if show(all_jobs) != shown:
+        say(show(all_jobs))
     if job.state != "COMPLETED":
         log = jobs_dir / f"{JOB_NAMES[job.script]}-{job.id}.out"
         tail = log.read_text(errors="replace")[-3000:] if log.exists() else "(no log)"
@@ -238,12 +243,17 @@ def run(args: argparse.Namespace) -> int:
     spec = SandboxSpec(root=ROOT / "build" / "state" / "sandbox", compute_nodes=2,
                        cpus=max(2, os.cpu_count() or 2))
     if args.down:
-        Sandbox(spec).down()
-        imgpipe("registry", "down")
-        say("sandbox and registry stopped")
+        stopped = imgpipe("sandbox", "down", capture=True)
+        registry = imgpipe("registry", "down", capture=True)
+        say(("sandbox stopped" if stopped.get("stopped") else
+             f"sandbox left running: started from {stopped.get('owner')}") + "; " +
+            ("registry stopped" if registry.get("stopped") else
+             "registry left running: not started from this checkout"
+             if registry.get("mode") == "external" else "registry was not running"))
         return 0
     state = load_state()
-    converted = images(state)
+    shared: list[str] = []
+    converted = images(state, shared)
     squashfs = Path(converted["squashfs"])
     work = WORK
     data, ckpt, results, jobs_dir = (work / "data", work / "checkpoints", work / "results",
@@ -253,8 +263,13 @@ def run(args: argparse.Namespace) -> int:
         folder.mkdir(parents=True, exist_ok=True)
     corpus, vocab, config = inputs(work)
     spec.root.mkdir(parents=True, exist_ok=True)
-    imgpipe("sandbox", "up", "--nodes", "2")
-    cluster = Sandbox(spec)
+    sandbox_up = imgpipe("sandbox", "up", "--nodes", "2", capture=True)
+    cluster = Sandbox.saved(Path(sandbox_up["owner"])) or Sandbox(spec)
+    if not sandbox_up["started_here"]:
+        shared.append(f"the sandbox {cluster.spec.name!r} ({cluster.root})")
+    if shared:
+        say(f"using {' and '.join(shared)}, started from another checkout: this demo "
+            "leaves them running")
     recipes = work / "recipes"
     config_file = work / "imgpipe-demo.yaml"
     config_file.write_text(json.dumps({"recipes": {

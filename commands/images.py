@@ -6,7 +6,6 @@ dataclass; the CLI only parses options and renders.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -15,7 +14,8 @@ from imgpipe.base.config import Settings
 from imgpipe.base.engine import Engine, EngineError, find_build_client
 from imgpipe.base.errors import ConfigError, ImgpipeError
 from imgpipe.base.progress import Progress
-from imgpipe.commands.wiring import registry_client
+from imgpipe.commands.pushed import find_pushed
+from imgpipe.commands.wiring import registry_client, registry_for
 from imgpipe.pipeline.builds import (
     BaseResolver,
     BuildOutcome,
@@ -30,7 +30,6 @@ from imgpipe.pipeline.lock import LockEntry, LockFile, lock_path, read_lock, upd
 from imgpipe.pipeline.plan import PlanItem
 from imgpipe.pipeline.push import PushOutcome, push_record
 from imgpipe.pipeline.remote import pushed_entries
-from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.reference import Reference
 
 SECRET_NAMES = ("ca_bundle", "pip_config", "ngc_api_key")
@@ -67,14 +66,6 @@ class Merged:
     pushed: list[PushOutcome] = field(default_factory=list)
 
 
-def _registry_for(settings: Settings) -> Callable[[str], RegistryClient]:
-    def make(address: str) -> RegistryClient:
-        if address == settings.registry.address:
-            return registry_client(settings)
-        return RegistryClient(f"https://{address}", retries=0, timeout=(3.0, 10.0))
-    return make
-
-
 def plan_images(settings: Settings, images: tuple[str, ...], flavor: str | None,
                 build_args: dict[str, str], base: str | None, wheels_dir: Path | None,
                 force: bool = False) -> ImagePlan:
@@ -94,7 +85,7 @@ def plan_images(settings: Settings, images: tuple[str, ...], flavor: str | None,
                             if settings.build.wheels_dir else recorded_wheels(lock, flavor))
     items = make_plan(settings, buildable, flavor, lock, overrides=build_args,
                       base_override=base, wheels_dir=wheels,
-                      resolver=BaseResolver(settings, _registry_for(settings)), force=force)
+                      resolver=BaseResolver(settings, registry_for(settings)), force=force)
     return ImagePlan(_still_pushed(settings, items, lock), without, flavor, wheels)
 
 
@@ -196,6 +187,10 @@ def build_images(settings: Settings, plan: ImagePlan, secrets: dict[str, Path],
     for item in plan.items:
         if item.action == "up to date":
             progress.step(f"{item.key}: up to date ({item.reason})")
+            # Up to date on the registry's word: the lock learns it here, so that every
+            # later command (selftest, push, convert, recipes) finds the same digest.
+            find_pushed(settings, item.image, item.flavor, wheels_dir=plan.wheels_dir,
+                        progress=progress, item=item)
             outcomes.append(skipped(item))
             continue
         client = client or find_build_client(settings.docker.client, settings.docker.host)
@@ -216,12 +211,14 @@ class Pushed:
 
 
 def push_images(settings: Settings, images: tuple[str, ...], progress: Progress,
-                force: bool = False) -> Pushed:
-    """Push the builds (of ``images``, or all) whose inputs the lock does not hold yet, or
-    whose recorded manifest the registry lost; every one with ``force``.  An image with no
-    build here whose inputs the registry holds already (``imgpipe build`` said "up to
-    date" from the registry) is recorded in the lock instead: it is pushed, by someone."""
-    records = read_records(settings)
+                force: bool = False, flavor: str | None = None) -> Pushed:
+    """Push the builds (of ``images``, or all; of ``flavor``, or any) whose inputs the lock
+    does not hold yet, or whose recorded manifest the registry lost; every one with
+    ``force``.  An image with no build here whose inputs the registry holds already
+    (``imgpipe build`` said "up to date" on the registry's word) is recorded in the lock
+    instead: it is pushed, by someone."""
+    records = {key: record for key, record in read_records(settings).items()
+               if flavor is None or record.flavor == flavor}
     lock = read_lock(lock_path(settings.root))
     if images:
         select(load_catalog(settings), images)  # unknown names are an error
@@ -229,12 +226,12 @@ def push_images(settings: Settings, images: tuple[str, ...], progress: Progress,
     else:
         chosen = list(records.values())
     unbuilt = tuple(sorted(set(images) - {r.image for r in chosen}))
-    adopted = adopt_pushed(settings, unbuilt, progress) if unbuilt else {}
+    adopted = adopt_pushed(settings, unbuilt, flavor, progress) if unbuilt else {}
     pending = [r for r in chosen
                if force or (e := lock.entry(r.image, r.flavor)) is None
                or e.input_hash != r.input_hash or gone_from_registry(settings, e)]
     if not images and not records:
-        adopted = adopt_pushed(settings, (), progress)
+        adopted = adopt_pushed(settings, (), flavor, progress)
     if not pending:
         return Pushed([], adopted)
     registry = registry_client(settings)
@@ -253,44 +250,73 @@ def unconverted(settings: Settings, images: tuple[str, ...]) -> list[tuple[str, 
             for flavor, entry in sorted(flavors.items()) if entry.squashfs_file() is None]
 
 
-def adopt_pushed(settings: Settings, names: tuple[str, ...], progress: Progress
-                 ) -> dict[str, LockEntry]:
-    """Record in the lock what the registry holds for ``names`` (default: every image) in
-    the default flavor when the plan calls it up to date; a named image that would need a
-    build is an error (it has not been built here)."""
-    plan = plan_images(settings, names, None, {}, None, None)
-    current = tuple(item.image.name for item in plan.items if item.action == "up to date")
-    stale = [item.image.name for item in plan.items if item.action != "up to date"]
-    if names and stale:
-        raise ImgpipeError(f"{stale[0]} has not been built here",
-                           hint=f"imgpipe build {stale[0]}")
-    if not current:
-        return {}
-    pulled = pull_lock(settings, current, (plan.flavor,))
-    for key in pulled.changed:
-        entry = pulled.entries[key]
-        progress.step(f"{key}: the registry holds this build already (pushed "
-                      f"{entry.pushed_at} from the same inputs); recorded in imgpipe.lock")
-    return {key: pulled.entries[key] for key in pulled.changed}
+def adopt_pushed(settings: Settings, names: tuple[str, ...], flavor: str | None,
+                 progress: Progress) -> dict[str, LockEntry]:
+    """Record in the lock what the registry holds from this checkout's inputs for ``names``
+    (default: every image of the flavor) in ``flavor`` (default: the site's), where the lock
+    had nothing; a named image the registry does not hold is an error (it has not been
+    built here, and ``imgpipe build`` would build it)."""
+    flavor = flavor or settings.default_flavor
+    chosen = select(load_catalog(settings), names)
+    lacking = [image.name for image in chosen if flavor not in image.spec.flavors]
+    if names and lacking:
+        raise ConfigError(f"image {lacking[0]} has no {flavor} flavor", hint="pass --flavor")
+    chosen = [image for image in chosen if image.name not in lacking]
+    before = read_lock(lock_path(settings.root))
+    adopted: dict[str, LockEntry] = {}
+    for image in chosen:
+        lookup = find_pushed(settings, image, flavor, progress=progress)
+        if lookup.entry is None:
+            if names:
+                raise ImgpipeError(f"{image.name}/{flavor} has not been built here, and "
+                                   f"{lookup.why}",
+                                   hint=f"imgpipe build {image.name} --flavor {flavor}")
+            continue
+        if before.entry(image.name, flavor) != lookup.entry:
+            adopted[f"{image.name}/{flavor}"] = lookup.entry
+    return adopted
 
 
 def run_selftest(settings: Settings, image: Image, flavor: str, progress: Progress) -> str:
-    """The image's self-test in a container of its last build (no network); its last line."""
-    record = read_records(settings).get(f"{image.name}/{flavor}")
-    if record is None:
-        raise ImgpipeError(f"{image.name}/{flavor} has not been built here",
-                           hint=f"imgpipe build {image.name} --flavor {flavor}")
+    """The image's self-test in a container (no network), its last line: of this
+    checkout's last build when the engine still has it, else of the pushed manifest
+    (``find_pushed``: the lock, or the registry), pulled into the engine when missing."""
     if not image.spec.selftest:
         return "no self-test defined"
+    target = _selftest_image(settings, image, flavor, progress)
     client = find_build_client(settings.docker.client, settings.docker.host)
     progress.step(f"self-test {image.name}/{flavor}: {' '.join(image.spec.selftest)}")
     try:
-        done = engine.run_in_container(client, record.image_id, list(image.spec.selftest),
+        done = engine.run_in_container(client, target, list(image.spec.selftest),
                                        progress.detail, settings.build.selftest_timeout_s,
                                        f"self-test of {image.name}/{flavor}")
     finally:
         progress.done()
     return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else "passed"
+
+
+def _selftest_image(settings: Settings, image: Image, flavor: str, progress: Progress) -> str:
+    """What the self-test runs: the local build's image ID, or the pushed digest."""
+    docker_engine = Engine(settings.docker.host, timeout=600)
+    record = read_records(settings).get(f"{image.name}/{flavor}")
+    try:
+        if record is not None and docker_engine.image_id(record.image_id) is not None:
+            return record.image_id
+    except EngineError as exc:
+        raise ImgpipeError(exc.message, hint="start the Docker engine (dockerd)") from exc
+    lookup = find_pushed(settings, image, flavor, progress=progress)
+    if lookup.entry is None:
+        raise ImgpipeError(f"{image.name}/{flavor} has not been built here, and {lookup.why}",
+                           hint=f"imgpipe build {image.name} --flavor {flavor}")
+    pinned = lookup.entry.pinned
+    if docker_engine.image_id(pinned) is None:
+        progress.step(f"pull {pinned}")
+        try:
+            docker_engine.pull(pinned)
+        except EngineError as exc:
+            raise ImgpipeError(exc.message, hint="docker login to the registry, or check that "
+                               "the engine may pull from it") from exc
+    return pinned
 
 
 def mirror_image(settings: Settings, source: str, dest: str | None, progress: Progress

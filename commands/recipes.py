@@ -8,9 +8,10 @@ from pathlib import Path
 from imgpipe.base.config import Settings
 from imgpipe.base.errors import ConfigError
 from imgpipe.base.files import SquashfsPath
+from imgpipe.commands.pushed import catalog_image, find_pushed, require_pushed
 from imgpipe.commands.wiring import registry_client, registry_credentials
 from imgpipe.enroot.nodeconfig import nodes_enroot, takes_digests
-from imgpipe.pipeline.lock import lock_path, read_lock
+from imgpipe.pipeline.lock import LockEntry
 from imgpipe.recipes.profiles import Profile, load_profile
 from imgpipe.recipes.render import Bundle, RecipeInputs, render_bundle
 from imgpipe.recipes.runtimes import Runtime
@@ -29,11 +30,16 @@ def site_profile(settings: Settings, name: str) -> Profile:
 
 def pin(settings: Settings, image: str, flavor: str, required: bool = True
         ) -> Reference | SquashfsPath | None:
-    """The squashfs file of the image's pushed digest when it exists, else the digest;
-    None for an image never pushed that the recipes can do without (``required=False``)."""
-    lock = read_lock(lock_path(settings.root))
-    entry = (lock.require(image, flavor, "to pin (or pass --image)") if required
-             else lock.entry(image, flavor))
+    """The squashfs file of the image's pushed digest (``find_pushed``: imgpipe.lock, else
+    the registry) when it exists, else the digest; None for an image never pushed that the
+    recipes can do without (``required=False``)."""
+    if required:
+        entry: LockEntry | None = require_pushed(settings, image, flavor,
+                                                 "to pin (or pass --image)")
+    else:
+        known = catalog_image(settings, image)
+        entry = (find_pushed(settings, known, flavor).entry
+                 if known is not None and flavor in known.spec.flavors else None)
     if entry is None:
         return None
     return entry.squashfs_file() or entry.reference
@@ -88,8 +94,8 @@ def bundle_target(settings: Settings, name: str | None, tag: str | None = None) 
     """NAME[:TAG] in the configured registry; default: bert's repository, -recipes, its tag."""
     if name:
         return Reference.parse(name, default_registry=settings.registry.address)
-    entry = read_lock(lock_path(settings.root)).require(
-        "bert", settings.default_flavor, "to publish the recipes beside (or pass --name)")
+    entry = require_pushed(settings, "bert", settings.default_flavor,
+                           "to publish the recipes beside (or pass --name)")
     return Reference.parse(f"{entry.reference.repository}-recipes:{tag or entry.tags[0]}",
                            default_registry=settings.registry.address)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from imgpipe.base.config import Settings
 from imgpipe.enroot.squash import SquashOptions, compression_of
 from imgpipe.enroot.storage import Storage
@@ -45,3 +47,13 @@ def squash_options(settings: Settings, image_choice: str | None = None,
 
 def local_registry(settings: Settings) -> LocalRegistry:
     return LocalRegistry(settings)
+
+
+def registry_for(settings: Settings) -> Callable[[str], RegistryClient]:
+    """A client per registry address: the configured registry with its credentials and CA,
+    any other (a base image's) anonymous over https with short timeouts."""
+    def make(address: str) -> RegistryClient:
+        if address == settings.registry.address:
+            return registry_client(settings)
+        return RegistryClient(f"https://{address}", retries=0, timeout=(3.0, 10.0))
+    return make

@@ -188,6 +188,23 @@ class Sandbox:
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
+    @classmethod
+    def running_named(cls, name: str) -> Sandbox | None:
+        """The live sandbox called ``name`` on this machine, whichever folder (checkout) it
+        was started from: its head namespace's slurmctld carries its slurm.conf's path.
+        Namespace names are machine-wide, so two checkouts share one sandbox of a name."""
+        head = SandboxSpec(root=Path("."), name=name).head.namespace
+        listed = _ip("netns", "pids", head, check=False)
+        for pid in listed.stdout.split() if listed.returncode == 0 else []:
+            with contextlib.suppress(OSError, ValueError):
+                environ = Path(f"/proc/{int(pid)}/environ").read_bytes().split(b"\0")
+                for entry in environ:
+                    if entry.startswith(b"SLURM_CONF="):
+                        found = cls.saved(Path(entry[len(b"SLURM_CONF="):].decode()).parent)
+                        if found is not None and found.spec.name == name and found.is_up():
+                            return found
+        return None
+
     def _save(self, state: State) -> None:
         self._state_path().write_text(json.dumps(asdict(state), indent=2) + "\n")
 

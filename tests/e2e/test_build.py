@@ -174,7 +174,8 @@ def test_a_fresh_checkout_pushes_nothing_the_registry_holds_and_records_it(
     # A name whose inputs nobody pushed is still "not built here".
     (fresh.folder / "images" / "hello" / "hello.txt").write_text("changed\n")
     code, _, err = fresh("push", "hello")
-    assert code != 0 and "hello has not been built here" in err
+    assert code != 0 and "hello/cpu has not been built here, and " in err
+    assert "was built from other inputs (context changed)" in err
 
 
 def test_changing_one_payload_file_rebuilds_bert_only(project: CliRun) -> None:

@@ -67,7 +67,10 @@ def test_a_stale_build_state_file_means_build_again(cli) -> None:
     (state / "builds.json").write_text('{"bert/cpu": {"image_id": 5, "old": true}, "x": []}')
     code, _, err = cli("push", "bert")
     assert code == 1 and "Traceback" not in err
-    assert err.strip() == "error: bert has not been built here (hint: imgpipe build bert)"
+    assert err.strip().startswith("error: bert/cpu has not been built here, and the registry "
+                                  "cannot be asked")
+    assert err.strip().endswith("(hint: imgpipe build bert --flavor cpu)")
+    assert len(err.strip().splitlines()) == 1
 
 
 def _complete(words: str, index: int) -> list[str]:
