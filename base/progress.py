@@ -72,22 +72,33 @@ class Progress:
 
         Shows ``what: 512.0 MiB of 1.2 GiB (41%) at 98.1 MiB/s``: on a terminal redrawn at
         most once a second, as plain lines at most every ``PLAIN_EVERY_S``, never quietly.
+        ``total`` may be an estimate (a squash's output): a count past it raises it by a
+        tenth (shown as ``of ~…``) rather than showing more than 100 %, and the line forced
+        when the count reaches the total is forced once.
         """
         started = time.monotonic()
         moved = [0]
         last = [0.0]
+        estimate = [total]  # raised when the count passes it: never more than 100 %
+        at_end = [False]  # the line at the estimate is forced once, not on every write after
 
         def advance(count: int) -> None:
             moved[0] += count
+            if self.mode == "quiet":
+                return
+            if estimate[0] and moved[0] > estimate[0]:
+                estimate[0] = moved[0] + moved[0] // 10
             now = time.monotonic()
             every = 1.0 if self.mode == "tty" else PLAIN_EVERY_S
-            finished = total is not None and moved[0] >= total
-            if self.mode == "quiet" or (now - last[0] < every and not finished):
+            reached = bool(estimate[0]) and moved[0] >= (estimate[0] or 0) and not at_end[0]
+            if now - last[0] < every and not reached:
                 return
+            at_end[0] = at_end[0] or reached
             last[0] = now
             rate = moved[0] / max(now - started, 1e-6)
-            of = (f" of {human_bytes(total)} ({100 * moved[0] / total:.0f}%)"
-                  if total else "")
+            raised = "~" if estimate[0] != total else ""
+            of = (f" of {raised}{human_bytes(estimate[0])} "
+                  f"({100 * moved[0] / estimate[0]:.0f}%)" if estimate[0] else "")
             self.detail(f"{what}: {human_bytes(moved[0])}{of} at {human_bytes(int(rate))}/s")
 
         return advance

@@ -76,7 +76,8 @@ def _use_other(ctx: click.Context, cluster: Sandbox) -> Sandbox | None:
     if (theirs.compute_nodes, theirs.subnet) != (spec.compute_nodes, spec.subnet):
         raise SandboxError(
             f"a sandbox named {spec.name!r} is running already from {other.root} with "
-            f"{theirs.compute_nodes} nodes on {theirs.subnet}.0/24",
+            f"{theirs.compute_nodes} compute host{'s' if theirs.compute_nodes != 1 else ''} "
+            f"on {theirs.subnet}.0/24",
             hint=f"use it as it is (--nodes {theirs.compute_nodes} --subnet {theirs.subnet}), "
             "stop it with 'imgpipe sandbox down' there, or pick another --name and --subnet")
     atomic_write(_pointer(ctx), json.dumps({"name": spec.name, "root": str(other.root)}) + "\n")

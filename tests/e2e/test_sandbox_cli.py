@@ -36,11 +36,12 @@ def test_sandbox_up_status_run_down(cli, tmp_path: Path) -> None:
     assert not (tmp_path / "state" / "sandbox" / "sandbox.json").exists()
 
 
-def test_a_killed_sandbox_does_not_block_the_next_and_a_live_one_is_not_taken_over(
+def test_a_killed_sandbox_does_not_block_the_next_and_a_live_one_is_shared_not_taken_over(
         cli, tmp_path: Path) -> None:
     """A test session killed mid-run leaves namespaces and a bridge but no daemons, and its
     state file in a folder the next run does not know: the next ``up`` of that name clears
-    them.  A same-named sandbox that is alive is refused, its network left alone."""
+    them.  A same-named sandbox that is alive is used by another checkout asking for the same
+    shape (and left running by its `down`), refused for another shape."""
     import contextlib
     import json
     import os
@@ -54,8 +55,17 @@ def test_a_killed_sandbox_does_not_block_the_next_and_a_live_one_is_not_taken_ov
         code, out, err = cli(*args)
         assert code == 0, out + err
         cli.write_config({"outputs": {"state_dir": str(second)}})
+        # Another checkout asks for the same sandbox: it uses the live one and says so,
+        # and its `down` leaves it running.
         code, out, err = cli(*args)
-        assert code != 0 and "running already" in err, out + err
+        assert code == 0, out + err
+        assert f"started from {first / 'sandbox'}: using it" in out
+        assert cli("sandbox", "run", "--host", "node1", "--", "scontrol", "ping")[0] == 0
+        code, out, err = cli("sandbox", "down")
+        assert code == 0 and "left running" in out, out + err
+        # Another shape of the same name is refused, its network left alone.
+        code, out, err = cli(*args[:3], "2", *args[4:])
+        assert code != 0 and "running already" in err and "1 compute host on" in err, out + err
         cli.write_config({"outputs": {"state_dir": str(first)}})
         assert cli("sandbox", "run", "--", "scontrol", "ping")[0] == 0
         # Kill the first sandbox's daemons the way a killed session does: no teardown.

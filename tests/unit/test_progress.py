@@ -64,3 +64,32 @@ def test_an_unknown_total_shows_bytes_and_rate(clock) -> None:
     clock.now += 2
     advance(4 << 20)
     assert out.getvalue().splitlines()[0].endswith("push x:1: 4.0 MiB at 2.0 MiB/s")
+
+
+def test_a_count_past_its_estimate_raises_it_and_keeps_the_rate_limit(clock) -> None:
+    """A squash's estimate (9.1 GiB) that the output passes (9.3 GiB) printed a line on every
+    write, counting to 103 %: 29,569 lines in six seconds.  Now the estimate is raised, no
+    share passes 100 %, and lines keep to one every 5 s in a log."""
+    out = io.StringIO()
+    advance = Progress("plain", out).transfer("squash", 100 << 20)
+    for _ in range(60_000):  # 300 MiB in 5 KiB writes over 12 s
+        clock.now += 0.0002
+        advance(5 << 10)
+    lines = out.getvalue().splitlines()
+    assert 2 <= len(lines) <= 4, lines[:5]  # the first, at 100 %, then one every 5 s
+    shares = [int(line.rsplit("(", 1)[1].split("%")[0]) for line in lines]
+    assert max(shares) <= 100
+    assert "of ~" in lines[-1]
+
+
+def test_a_terminal_count_past_its_estimate_redraws_at_most_once_a_second(clock) -> None:
+    out = io.StringIO()
+    shown: list[str] = []
+    progress = Progress("plain", out)
+    progress.detail = shown.append  # type: ignore[method-assign]
+    progress.mode = "tty"
+    advance = progress.transfer("squash", 1 << 20)
+    for _ in range(10_000):  # 4 MiB over 4 s
+        clock.now += 0.0004
+        advance(420)
+    assert len(shown) <= 6, shown[:8]
