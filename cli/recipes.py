@@ -8,7 +8,8 @@ from typing import cast
 
 import click
 
-from imgpipe.cli.clikit import CONTEXT, reporting, settings_of
+from imgpipe.base.progress import Progress, choose_mode
+from imgpipe.cli.clikit import CONTEXT, invocation, reporting, settings_of
 from imgpipe.cli.output import Result
 from imgpipe.commands.recipes import publish_recipes, pull_recipes, render_recipes, site_profile
 from imgpipe.recipes.runtimes import RUNTIMES, Runtime
@@ -94,7 +95,8 @@ def render(ctx: click.Context, profile_name: str, nodes: int, phase: str, output
     phases = (1, 2) if phase == "both" else (int(phase),)
     folder, bundle = render_recipes(settings, site_profile(settings, profile_name), nodes,
                                     cast(Runtime, runtime),  # a click.Choice of RUNTIMES
-                                    phases, output, image, flavor, extra, adjust_global_batch)
+                                    phases, output, image, flavor, extra, adjust_global_batch,
+                                    Progress(choose_mode(invocation(ctx).json)))
     lines = [f"rendered {len(bundle.files)} files in {folder} (image {bundle.image})"]
     lines += [f"  {p.name}" for p in bundle.files]
     for shape in bundle.shapes:

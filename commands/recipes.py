@@ -8,6 +8,7 @@ from pathlib import Path
 from imgpipe.base.config import Settings
 from imgpipe.base.errors import ConfigError
 from imgpipe.base.files import SquashfsPath
+from imgpipe.base.progress import Progress
 from imgpipe.commands.pushed import catalog_image, find_pushed, require_pushed
 from imgpipe.commands.wiring import registry_client, registry_credentials
 from imgpipe.enroot.nodeconfig import nodes_enroot, takes_digests
@@ -28,17 +29,17 @@ def site_profile(settings: Settings, name: str) -> Profile:
     return load_profile(name, profiles_dir(settings))
 
 
-def pin(settings: Settings, image: str, flavor: str, required: bool = True
-        ) -> Reference | SquashfsPath | None:
+def pin(settings: Settings, image: str, flavor: str, required: bool = True,
+        progress: Progress | None = None) -> Reference | SquashfsPath | None:
     """The squashfs file of the image's pushed digest (``find_pushed``: imgpipe.lock, else
     the registry) when it exists, else the digest; None for an image never pushed that the
     recipes can do without (``required=False``)."""
     if required:
         entry: LockEntry | None = require_pushed(settings, image, flavor,
-                                                 "to pin (or pass --image)")
+                                                 "to pin (or pass --image)", progress)
     else:
         known = catalog_image(settings, image)
-        entry = (find_pushed(settings, known, flavor).entry
+        entry = (find_pushed(settings, known, flavor, progress=progress).entry
                  if known is not None and flavor in known.spec.flavors else None)
     if entry is None:
         return None
@@ -64,14 +65,15 @@ def refuse_loopback(pinned: Reference | SquashfsPath | str, profile_name: str) -
 def render_recipes(settings: Settings, profile: Profile, nodes: int, runtime: Runtime,
                    phases: tuple[int, ...], output: Path | None, image: str | None,
                    flavor: str | None, env: dict[str, str],
-                   adjust_global_batch: bool) -> tuple[Path, Bundle]:
+                   adjust_global_batch: bool, progress: Progress | None = None
+                   ) -> tuple[Path, Bundle]:
     """Render the bundle for ``nodes`` of ``profile``; the folder and what was written."""
     if flavor is None and image is None and profile.is_gpu and settings.default_flavor == "cpu":
         raise ConfigError(f"{profile.name} is a GPU profile but the default flavor is cpu",
                           hint="pass --flavor ngc (or --flavor cpu to mean it), or set "
                           "default_flavor: ngc in imgpipe.yaml")
     flavor = flavor or settings.default_flavor
-    pinned = image or pin(settings, "bert", flavor) or ""  # required: never empty
+    pinned = image or pin(settings, "bert", flavor, progress=progress) or ""  # never empty
     refuse_loopback(pinned, profile.name)
     site = settings.recipes
     enroot_version, learnt = nodes_enroot(settings)
@@ -79,7 +81,8 @@ def render_recipes(settings: Settings, profile: Profile, nodes: int, runtime: Ru
             else learnt)
     inputs = RecipeInputs(
         profile=profile, nodes=nodes, image=pinned, runtime=runtime,
-        nccl_image=pin(settings, "nccl-tests", "ngc", required=False) if profile.is_gpu else None,
+        nccl_image=(pin(settings, "nccl-tests", "ngc", required=False, progress=progress)
+                    if profile.is_gpu else None),
         data_dir=site.data_dir, checkpoint_dir=site.checkpoint_dir,
         results_dir=site.results_dir, dataset_source=site.dataset_source,
         vocab=site.vocab, bert_config=site.bert_config, partition=site.partition,
