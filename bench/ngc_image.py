@@ -152,7 +152,8 @@ def plan(total: int, layers: int, seed: int) -> list[Layer]:
     made.insert(2, Layer("big-a", [Entry("opt/weights/a.bin", size=big, seed=11)]))
     made.insert(4, Layer("big-b", [Entry("opt/weights/b.bin", size=big, seed=12)]))
     replaced = next(e for e in made[1].entries if e.path.endswith(".so"))
-    made.append(Layer("replace", [Entry(replaced.path, size=replaced.size, seed=replaced.seed + 1)]))
+    made.append(Layer("replace", [Entry(replaced.path, size=replaced.size,
+                                        seed=replaced.seed + 1)]))
     victims = [e.path for e in made[1].entries if e.path.endswith(".py")][:50]
     made.append(Layer("whiteouts", [
         *[Entry(_whiteout(p), "whiteout") for p in victims],
