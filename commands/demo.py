@@ -209,13 +209,16 @@ def show(jobs: list[Job]) -> str:
 
 
 def submit_and_wait(cluster: Sandbox, recipes: Path, jobs_dir: Path, job: Job, all_jobs:
-                    list[Job], results: Path, command: str, phase: int | None) -> None:
+                    list[Job], results: Path, command: str, phase: int | None,
+                    said: list[str]) -> None:
+    """Submit ``command``, then watch until ``job`` ends; ``said`` holds the last status
+    line printed (across jobs), so a log gets a line only when something changed."""
     done = cluster.run(["bash", "-c", command], timeout=60, cwd=jobs_dir)
     if done.returncode:
         raise SystemExit(f"error: {command} failed: {done.stderr.strip()}")
     job.id = done.stdout.strip().split(";")[0]
     say(f"$ {command.replace(str(recipes) + '/', '')}  -> job {job.id}")
-    last_print, shown = 0.0, ""
+    last_print, shown = 0.0, said[0] if said else ""
     on_terminal = sys.stdout.isatty()
     while True:
         job_info(cluster, job)
@@ -226,12 +229,14 @@ def submit_and_wait(cluster: Sandbox, recipes: Path, jobs_dir: Path, job: Job, a
         if (now - last_print >= 3) if on_terminal else line != shown:
             say(line)
             last_print, shown = now, line
+            said[:] = [line]
         if job.state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
                          "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"):
             break
         time.sleep(1)
     if show(all_jobs) != shown:
         say(show(all_jobs))
+        said[:] = [show(all_jobs)]
     if job.state != "COMPLETED":
         log = jobs_dir / f"{JOB_NAMES[job.script]}-{job.id}.out"
         tail = log.read_text(errors="replace")[-3000:] if log.exists() else "(no log)"
@@ -289,6 +294,7 @@ def run(args: argparse.Namespace) -> int:
     jobs = [Job("dataset.sub", "dataset"), Job("run.sub", "phase 1"),
             Job("run.sub", "phase 2"), Job("nccl.sub", "nccl")]
     previous = {j["label"]: j for j in state.get("jobs", [])}
+    said: list[str] = []  # the last job status line printed
     # 1. the dataset, unless a complete one is there
     if (data / "summary.json").exists() and "dataset" in previous:
         jobs[0].__dict__.update({**previous["dataset"], "skipped": True})
@@ -296,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         submit_and_wait(cluster, recipes, jobs_dir, jobs[0], jobs, results,
                         f"{env} && sbatch --parsable -N2 --ntasks-per-node=1 "
-                        f"{recipes}/dataset.sub", None)
+                        f"{recipes}/dataset.sub", None, said)
     # 2. both phases
     for phase, job in ((1, jobs[1]), (2, jobs[2])):
         final = ckpt / f"phase{phase}" / f"ckpt_{STEPS[phase]}.pt"
@@ -309,12 +315,12 @@ def run(args: argparse.Namespace) -> int:
                         f"{env} && source {config_sh} && export MAX_STEPS={STEPS[phase]} "
                         f"{PHASE_OVERRIDES[phase]} "
                         f"&& sbatch --parsable -N$DGXNNODES "
-                        f"--ntasks-per-node=$DGXNGPU {recipes}/run.sub", phase)
+                        f"--ntasks-per-node=$DGXNGPU {recipes}/run.sub", phase, said)
         job.step, job.loss = last_step(results, phase)
     # 3. the NCCL check (bus bandwidth with PyTorch's all-reduce: nccl-tests needs CUDA)
     submit_and_wait(cluster, recipes, jobs_dir, jobs[3], jobs, results,
                     f"{env} && sbatch --parsable -N2 --ntasks-per-node=2 {recipes}/nccl.sub",
-                    None)
+                    None, said)
     state["jobs"] = [{k: v for k, v in j.__dict__.items() if k != "skipped"} for j in jobs]
     save_state(state)
     pins = {"bert image": str(converted["reference"]), "digest": str(converted["digest"]),
