@@ -44,6 +44,9 @@ CONTAINER_AUTH = "/auth"
 BINARY_NAMES = ("docker-registry", "registry")
 START_DEADLINE_S = 20.0
 STOP_DEADLINE_S = 15.0
+# The state folder of the checkout that started a container-mode registry: the container's
+# name is machine-wide, and another checkout must neither stop nor collect it.
+OWNER_LABEL = "org.imgpipe.state-dir"
 
 
 @dataclass(frozen=True)
@@ -174,6 +177,9 @@ class LocalRegistry:
         address = self.config.address
         container = self._container()
         if container is not None and container.status == "running":
+            owner = (container.labels or {}).get(OWNER_LABEL)
+            if owner and owner != str(self.state_dir):  # another checkout's: use, never stop
+                return ServerState("external", address, container=container.name)
             return ServerState("container", address, container=container.name)
         pid = self._pid()
         if pid is not None:
@@ -339,7 +345,7 @@ class LocalRegistry:
                 network_mode="host",
                 restart_policy={"Name": "unless-stopped"},
                 volumes=volumes,
-                labels={"org.imgpipe.role": "registry"},
+                labels={"org.imgpipe.role": "registry", OWNER_LABEL: str(self.state_dir)},
             )
         except EngineError as exc:
             raise LocalRegistryError(f"cannot start the registry container: {exc.message}"

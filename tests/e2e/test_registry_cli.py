@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests import services
+from tests.conftest import CliRun
 
 
 def docker(*args: str, timeout: float = 300) -> str:
@@ -223,6 +225,17 @@ def test_container_mode_up_status_gc_down(cli, base_image) -> None:
         assert inspect["HostConfig"]["RestartPolicy"]["Name"] == "unless-stopped"
         assert inspect["HostConfig"]["NetworkMode"] == "host"
         assert cli("registry", "up")[1].startswith("registry already running")
+        # A second checkout with the same configuration (the container's name is
+        # machine-wide): it uses that registry, and its down and gc leave it alone.
+        second = CliRun(cli.folder / "second", cli.capsys)
+        second.folder.mkdir()
+        shutil.copy(cli.folder / "imgpipe.yaml", second.folder / "imgpipe.yaml")
+        code, out, err = second("registry", "up", "--json")
+        assert code == 0 and json.loads(out)["data"]["mode"] == "external", out + err
+        code, out, err = second("registry", "down")
+        assert code == 0 and "left running" in out, out + err
+        assert second("registry", "gc")[0] != 0
+        assert json.loads(docker("inspect", name))[0]["State"]["Running"] is True
 
         url = f"http://127.0.0.1:{port}"
         session = services.plain_session()
