@@ -265,7 +265,7 @@ def adopt_pushed(settings: Settings, names: tuple[str, ...], flavor: str | None,
     before = read_lock(lock_path(settings.root))
     adopted: dict[str, LockEntry] = {}
     for image in chosen:
-        lookup = find_pushed(settings, image, flavor, progress=progress)
+        lookup = find_pushed(settings, image, flavor, progress=progress, current=True)
         if lookup.entry is None:
             if names:
                 raise ImgpipeError(f"{image.name}/{flavor} has not been built here, and "

@@ -92,14 +92,26 @@ def _still_there(client: RegistryClient | None, entry: LockEntry) -> bool:
 
 def find_pushed(settings: Settings, image: Image, flavor: str, *,
                 wheels_dir: Path | None = None, progress: Progress | None = None,
-                item: PlanItem | None = None) -> Lookup:
+                item: PlanItem | None = None, current: bool = False) -> Lookup:
     """The pushed manifest of ``image`` in ``flavor`` (module docstring), recording in the
     lock what only the registry knew; ``item``: the inputs as a plan computed them
-    (build args and base from the command line), else the defaults'."""
+    (build args and base from the command line), else the defaults'.  With ``current``
+    (what ``push`` asks: is this checkout's build pushed?) the lock's entry counts only
+    while it was built from this checkout's inputs, as the registry's always does."""
     lock_file = lock_path(settings.root)
     cached = read_lock(lock_file).entry(image.name, flavor)
     client = _client(settings)
-    if cached is not None and _still_there(client, cached):
+    wheels = wheels_dir or (settings.path(settings.build.wheels_dir)
+                            if settings.build.wheels_dir else None)
+    if wheels is None and cached is not None and cached.wheels_dir:
+        wheels = Path(cached.wheels_dir)
+
+    def differ(entry: LockEntry) -> list[str]:
+        nonlocal item
+        item = item or planned(settings, image, flavor, wheels)
+        return inputs_differ(entry, item, wheels is not None)
+
+    if cached is not None and _still_there(client, cached) and not (current and differ(cached)):
         return Lookup(cached, "lock")
     key, tag = f"{image.name}/{flavor}", version_tag(image, flavor)
     where = f"{settings.registry.address}/{image.spec.repository}:{tag}"
@@ -112,26 +124,21 @@ def find_pushed(settings: Settings, image: Image, flavor: str, *,
         return Lookup(None, "none", f"the registry cannot be asked: {exc.message}")
     if found is None:
         return Lookup(None, "none", f"the registry has no {where} built by imgpipe")
-    wheels = wheels_dir or (settings.path(settings.build.wheels_dir)
-                            if settings.build.wheels_dir else None)
-    if wheels is None and cached is not None and cached.wheels_dir:
-        wheels = Path(cached.wheels_dir)
-    item = item or planned(settings, image, flavor, wheels)
-    differ = inputs_differ(found, item, wheels is not None)
-    if differ:
+    changed = differ(found)
+    if changed:
         return Lookup(None, "none", f"{where} was built from other inputs "
-                      f"({', '.join(differ)} changed)")
+                      f"({', '.join(changed)} changed)")
     found.wheels_dir = str(wheels) if wheels else None
     with updating_lock(lock_file) as lock:
-        current = lock.entry(image.name, flavor)
-        if current is None or current.digest != found.digest or not _still_there(
-                client, current):
+        recorded = lock.entry(image.name, flavor)
+        if recorded is None or recorded.digest != found.digest or not _still_there(
+                client, recorded):
             lock.images.setdefault(image.name, {})[flavor] = found
-            current = found
-    if progress is not None and current is found:
+            recorded = found
+    if progress is not None and recorded is found:
         progress.step(f"{key}: the registry holds it ({found.digest[:19]}, pushed "
                       f"{found.pushed_at} from these inputs); recorded in imgpipe.lock")
-    return Lookup(current, "registry")
+    return Lookup(recorded, "registry")
 
 
 def catalog_image(settings: Settings, name: str) -> Image | None:
