@@ -8,10 +8,12 @@ replaced library's new bytes, and a killed push resumed without sending a finish
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -81,3 +83,57 @@ def test_the_converted_tree_has_the_shape_the_bench_promises(generated: dict, cl
     assert hashlib.sha256((tree / replacement.path).read_bytes()).digest() == expected.digest()
     big = int(SIZE * 0.15)
     assert (tree / "opt/weights/a.bin").stat().st_size == big
+
+
+@pytest.fixture
+def memory_cgroup() -> Iterator[Path]:
+    """A cgroup v1 memory group of this test's own (root only; no systemd here)."""
+    group = Path("/sys/fs/cgroup/memory") / f"imgpipe-test-{os.getpid()}"
+    group.mkdir()
+    try:
+        yield group
+    finally:
+        for pid in (group / "cgroup.procs").read_text().split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), 9)
+        group.rmdir()
+
+
+def test_a_login_node_with_little_memory_and_small_tmp_converts_it(
+        registry_server, tmp_path: Path, memory_cgroup: Path) -> None:
+    """A login node limits memory and /tmp, and /dev/shm is small: conversion streams, so
+    a 300 MB image converts under a 160 MiB memory limit (page cache included) with 16 MiB
+    tmpfs as /tmp and /dev/shm, into the same bytes as without any limit."""
+    import json
+
+    limit = 160 << 20
+    made = ngc_image.generate(registry_server.address, "scale/login", "a", 300 << 20, 8, SEED,
+                              tmp_path / "state.json", say=lambda _: None)
+    folders = {}
+    for name in ("free", "limited"):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "imgpipe.yaml").write_text(json.dumps({
+            "registry": {"port": registry_server.port},
+            "outputs": {"squashfs_dir": str(folder / "sqsh")}}))
+        folders[name] = folder
+    imgpipe = str(Path(sys.executable).parent / "imgpipe")
+    convert = [imgpipe, "convert", str(made["reference"]), "--json"]
+    free = subprocess.run(convert, cwd=folders["free"], capture_output=True, text=True,
+                          timeout=600)
+    assert free.returncode == 0, free.stderr
+    (memory_cgroup / "memory.limit_in_bytes").write_text(str(limit))
+    small_tmp = tmp_path / "small-tmp"
+    small_tmp.mkdir()
+    script = ("set -e; mount -t tmpfs -o size=16m tmpfs /dev/shm; "
+              f"mount -t tmpfs -o size=16m tmpfs {small_tmp}; "
+              f"echo $$ > {memory_cgroup}/cgroup.procs; exec \"$@\"")
+    limited = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script,
+                              "sh", *convert], cwd=folders["limited"], capture_output=True,
+                             text=True, timeout=600, env={**os.environ, "TMPDIR": str(small_tmp)})
+    assert limited.returncode == 0, limited.stderr[-2000:]
+    peak = int((memory_cgroup / "memory.max_usage_in_bytes").read_text())
+    assert peak <= limit
+    paths = [json.loads(done.stdout)["data"]["squashfs"] for done in (free, limited)]
+    digests = {hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in paths}
+    assert len(digests) == 1, paths
