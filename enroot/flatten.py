@@ -52,6 +52,7 @@ from isal import igzip
 from isal.igzip_lib import IsalError
 
 from imgpipe.enroot.errors import BlobDigestError, HostileLayerError
+from imgpipe.enroot.members import Member
 
 MAX_NAME = 4095
 MAX_COMPONENT = 255
@@ -64,7 +65,7 @@ STREAM_ERRORS: tuple[type[BaseException], ...] = (
     EOFError, zlib.error, OSError, cast(type[BaseException], IsalError), zstandard.ZstdError)
 
 
-@dataclass
+@dataclass(slots=True)
 class Node:
     kind: str  # dir | file | symlink | hardlink | fifo
     entry: Entry | None  # None: an implicit directory no layer described
@@ -86,7 +87,7 @@ class MergedView:
     nodes: dict[str, Node]
     children: dict[str, set[str]]
     counts: list[LayerCounts]
-    members: list[list[tarfile.TarInfo]]
+    members: list[list[Member]]
     extra_files: dict[str, tuple[bytes, int]] = field(default_factory=dict)
 
     def winners(self) -> set[Entry]:
@@ -250,7 +251,7 @@ def _check_end(raw: ForwardReader, end: int, layer: LayerSource) -> None:
         position += len(chunk)
 
 
-def read_members(layer: LayerSource) -> list[tarfile.TarInfo]:
+def read_members(layer: LayerSource) -> list[Member]:
     """Every member header of a layer, in order (data skipped by seeking forward)."""
     try:
         # Pass 1 checks structure only: pass 2 verifies every byte it publishes, and a blob
@@ -259,13 +260,14 @@ def read_members(layer: LayerSource) -> list[tarfile.TarInfo]:
     except OSError as exc:
         raise HostileLayerError(layer.digest, "(blob)", f"cannot read: {exc}") from exc
     with raw:
-        members: list[tarfile.TarInfo] = []
+        members: list[Member] = []
         end = 0
         try:
             # Random-access mode on a forward-seekable decompressor: headers are parsed
             # and file data is skipped by seeking, never copied through Python.
             with tarfile.open(fileobj=raw, mode="r:", errorlevel=2) as tar:
-                members = tar.getmembers()
+                # The layer's TarInfo objects go with ``tar``: only the slim records stay.
+                members = [Member(info) for info in tar.getmembers()]
                 end = tar.offset
         except (*STREAM_ERRORS, tarfile.ReadError) as exc:  # type: ignore[misc]
             why = str(exc) or type(exc).__name__
@@ -405,7 +407,7 @@ def merge(layers: list[LayerSource], rc_files: dict[str, tuple[str, int]] | None
     return MergedView(merger.nodes, merger.children, counts, all_members, extra)
 
 
-def _merge_member(merger: _Merger, number: int, index: int, member: tarfile.TarInfo,
+def _merge_member(merger: _Merger, number: int, index: int, member: Member,
                   layer: LayerSource, count: LayerCounts) -> None:
     path = normalize(member.name, layer.digest)
     count.entries += 1
@@ -624,7 +626,7 @@ class _Exact:
     """Reads of one member's data that fail loudly when the layer ends early."""
 
     def __init__(self, source: Readable, size: int, layer: LayerSource,
-                 member: tarfile.TarInfo) -> None:
+                 member: Member) -> None:
         self.source, self.left, self.layer, self.member = source, size, layer, member
 
     def read(self, n: int = -1) -> bytes:
@@ -635,7 +637,7 @@ class _Exact:
 
 
 def _read_exactly(source: Readable, size: int, layer: LayerSource,
-                  member: tarfile.TarInfo) -> bytes:
+                  member: Member) -> bytes:
     try:
         data = source.read(size)
     except STREAM_ERRORS as exc:
