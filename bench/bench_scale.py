@@ -199,6 +199,8 @@ def plot(rows: list[dict], path: Path) -> None:
               title="peak RSS (whole process tree)")
     right.axhline(1024, color="grey", linestyle=":", label="1 GiB goal")
     for axis in (left, right):
+        axis.set_xticks(sizes, [f"{size:.2g}" for size in sizes])
+        axis.minorticks_off()
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
     fig.tight_layout()
