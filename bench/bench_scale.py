@@ -207,18 +207,20 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def run(sizes: list[int], out: Path, seed: int) -> None:
+def run(sizes: list[int], out: Path, seed: int, port: int | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="imgpipe-scale-", dir=out) as scratch:
         work = Path(scratch)
-        registry = services.start_registry(work / "registry")
+        registry = (services.RegistryProcess(work, port, None)  # type: ignore[arg-type]
+                    if port else services.start_registry(work / "registry"))
         try:
             for size in sizes:
                 rows.append(one_size(size, registry, work, seed))
                 (out / "scale.json").write_text(json.dumps(rows, indent=1))
         finally:
-            registry.stop()
+            if not port:
+                registry.stop()
     plot(rows, out / "scale.png")
     print(f"\n{'size':>8} {'files':>8} {'layers':>6} | {'cold s/GB':>9} {'warm s/GB':>9} "
           f"{'enroot s/GB':>11} | {'cold/enroot':>11} | {'RSS cold':>9} {'tmp':>9} "
@@ -274,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="0.26G,1.2G,5G,15G")
     parser.add_argument("--seed", type=int, default=2026)
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "bench")
+    parser.add_argument("--port", type=int, default=None,
+                        help="use the plain-HTTP registry on 127.0.0.1:PORT (e.g. `imgpipe "
+                        "registry up`'s) instead of starting one: its images stay after")
     parser.add_argument("--enroot-way", metavar="REF", help=argparse.SUPPRESS)
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -281,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"size": run_enroot_way(args.enroot_way, args.work)}))
         return 0
     run([int(float(s.upper().rstrip("GB")) * 1e9) for s in args.sizes.split(",")], args.out,
-        args.seed)
+        args.seed, args.port)
     return 0
 
 
