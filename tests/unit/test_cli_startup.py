@@ -65,6 +65,9 @@ def test_a_stale_build_state_file_means_build_again(cli) -> None:
     state = cli.folder / "build" / "state"
     state.mkdir(parents=True)
     (state / "builds.json").write_text('{"bert/cpu": {"image_id": 5, "old": true}, "x": []}')
+    from tests.services import free_port
+
+    cli.write_config({"registry": {"port": free_port()}})  # nothing answers there
     code, _, err = cli("push", "bert")
     assert code == 1 and "Traceback" not in err
     assert err.strip().startswith("error: bert/cpu has not been built here, and the registry "
