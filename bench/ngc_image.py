@@ -29,6 +29,7 @@ import hashlib
 import io
 import json
 import random
+import struct
 import sys
 import tarfile
 import time
@@ -48,6 +49,7 @@ CHUNK = 32 << 20  # bytes per PATCH
 BLOCK = 64 << 10  # content is made in blocks: half random, half a repeated pattern
 SMALL_FILE_MEAN = 6 << 10
 FILES_PER_GB = 21_000
+PLAN_VERSION = 2  # bump when plan() changes: a resumed run must not mix old layers in
 LAYER_GZIP = "application/vnd.docker.image.rootfs.diff.tar.gzip"
 MANIFEST_V2 = "application/vnd.docker.distribution.manifest.v2+json"
 CONFIG_V1 = "application/vnd.docker.container.image.v1+json"
@@ -60,7 +62,7 @@ class Entry:
     folder, or a whiteout (an empty file named ``.wh.NAME`` or ``.wh..wh..opq``)."""
 
     path: str
-    kind: str = "file"  # file | dir | symlink | hardlink | whiteout
+    kind: str = "file"  # file | program | dir | symlink | hardlink | whiteout
     size: int = 0
     seed: int = 0
     target: str = ""
@@ -129,6 +131,12 @@ def plan(total: int, layers: int, seed: int) -> list[Layer]:
                      Entry("usr/bin/python3", "symlink", target="python3.10"),
                      Entry("usr/bin/python", "symlink", target="python3"),
                      Entry("usr/bin/python3.10-config", "hardlink", target="usr/bin/python3.10"),
+                     Entry("usr/bin/true", "program"),
+                     # what a real base image has and container runtimes mount over
+                     *[Entry(folder, "dir") for folder in ("dev", "proc", "sys", "tmp", "run",
+                                                           "home", "mnt", "root", "var/tmp")],
+                     *[Entry(f"etc/{name}", size=64, seed=index) for index, name in
+                       enumerate(("passwd", "group", "hosts", "resolv.conf"))],
                      Entry("opt/legacy/README", size=4096, seed=1),
                      Entry("opt/legacy/plugin.so", size=1 << 20, seed=2)]
     made.append(base)
@@ -221,6 +229,20 @@ class Upload:
         return digest, "sha256:" + self.diff_id.hexdigest(), self.sent
 
 
+def exit_zero_program() -> bytes:
+    """A static x86-64 Linux program that exits 0 (one ELF header, one loadable segment,
+    nine bytes of code): what a task runs in the image to show it started."""
+    code = bytes([0x31, 0xFF,  # xor edi, edi
+                  0xB8, 0x3C, 0, 0, 0,  # mov eax, 60 (exit)
+                  0x0F, 0x05])  # syscall
+    load, headers = 0x400000, 64 + 56
+    size = headers + len(code)
+    elf = struct.pack("<4sBBBBB7xHHIQQQIHHHHHH", b"\x7fELF", 2, 1, 1, 0, 0, 2, 0x3E, 1,
+                      load + headers, 64, 0, 0, 64, 56, 1, 0, 0, 0)
+    segment = struct.pack("<IIQQQQQQ", 1, 5, 0, load, load, size, size, 0x1000)
+    return elf + segment + code
+
+
 def members(layer: Layer) -> Iterator[tuple[tarfile.TarInfo, io.RawIOBase | None]]:
     folders: set[str] = set()
     for entry in layer.entries:
@@ -233,12 +255,22 @@ def members(layer: Layer) -> Iterator[tuple[tarfile.TarInfo, io.RawIOBase | None
                 info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, EPOCH
                 yield info, None
         info = tarfile.TarInfo(entry.path)
+        if entry.kind == "dir":
+            if entry.path not in folders:
+                folders.add(entry.path)
+                info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, EPOCH
+                yield info, None
+            continue
         info.mtime, info.mode = EPOCH, 0o755 if entry.path.endswith((".so", "3.10")) else 0o644
         if entry.kind == "file":
             info.size = entry.size
             small = entry.size < (1 << 20)
             yield info, (io.BytesIO(source_text(entry.seed, entry.size)) if small
                          else Content(entry.seed, entry.size))
+        elif entry.kind == "program":
+            code = exit_zero_program()
+            info.size, info.mode = len(code), 0o755
+            yield info, io.BytesIO(code)
         elif entry.kind in ("symlink", "hardlink"):
             info.type = tarfile.SYMTYPE if entry.kind == "symlink" else tarfile.LNKTYPE
             info.linkname = entry.target
@@ -283,7 +315,7 @@ def generate(registry: str, repo: str, tag: str, total: int, layers: int, seed: 
         state = json.loads(state_file.read_text())
     except (OSError, ValueError):
         state = {}
-    key = f"{total}-{layers}-{seed}"
+    key = f"{total}-{layers}-{seed}-v{PLAN_VERSION}"
     done_layers: dict[str, list] = state.get(key, {})
     started = time.monotonic()
     descriptors, diff_ids, history = [], [], []

@@ -83,6 +83,23 @@ def test_the_converted_tree_has_the_shape_the_bench_promises(generated: dict, cl
     assert hashlib.sha256((tree / replacement.path).read_bytes()).digest() == expected.digest()
     big = int(SIZE * 0.15)
     assert (tree / "opt/weights/a.bin").stat().st_size == big
+    # a task starts in it: the 8-node bench runs /usr/bin/true with ch-run, as a job's user
+    import shutil
+
+    from tests.cluster import USERS, ensure_users, prepare_node_devices, shared_folder
+
+    ensure_users()
+    prepare_node_devices()
+    shared = shared_folder("imgpipe-scale-")
+    try:
+        image = shutil.copy(squashfs, shared / "image.sqsh")
+        os.chmod(image, 0o644)
+        started = subprocess.run(["runuser", "-u", USERS[0], "--", "ch-run", str(image), "--",
+                                  "/usr/bin/true"], capture_output=True, text=True,
+                                 timeout=120, cwd="/tmp")
+        assert started.returncode == 0, started.stderr
+    finally:
+        shutil.rmtree(shared)
 
 
 @pytest.fixture
