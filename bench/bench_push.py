@@ -158,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(registry.root, ignore_errors=True)  # logs stay in the work folder
         if base:  # the engine's copies are as large as the image: leave no 15 GB behind
             subprocess.run([services.DOCKER, "rmi", "-f", base,
-                            *[f"{r.address}/bench/ngc:1.0.0-cpu" for r in (target, whole)],
-                            *[f"{r.address}/bench/ngc:latest-cpu" for r in (target, whole)]],
+                            *[f"{r.address}/bench/ngc:{tag}" for r in (target, whole)
+                              for tag in ("1.0.0", "latest")]],
                            capture_output=True)
             subprocess.run([services.DOCKER, "image", "prune", "-f"], capture_output=True)
     return 0

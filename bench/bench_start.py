@@ -16,6 +16,11 @@ start (goal: <= 1.3x), how many tasks converted (goal: exactly one; the importer
 says "squash with"), and that every task ran.  Images: ``bert`` (pushed from the engine)
 and sizes made by bench/ngc_image.py (the same seed as bench_scale.py).
 
+With ``--pyxis``, the jobs run ``srun --container-image=...`` through Pyxis (its plugstack
+naming imgpipe's importer, squashfuse mode) and Enroot, both built by hand outside this
+repository.  Enroot runs ``/etc/rc`` with ``/bin/sh``, so the generated image then gets one
+more layer: this host's /bin/sh and the two libraries it loads.
+
     .venv/bin/python bench/bench_start.py                      # bert and 5G on 8 nodes
     .venv/bin/python bench/bench_start.py --images bert --nodes 4
 """
@@ -99,7 +104,8 @@ def bert_source() -> str:
     return found[-1][1]
 
 
-def put_image(registry: services.RegistryProcess, name: str, state: Path) -> tuple[str, str]:
+def put_image(registry: services.RegistryProcess, name: str, state: Path,
+              shell: bool) -> tuple[str, str]:
     """(repository, manifest digest) of ``name`` in the bench's registry."""
     if name == "bert":
         target = f"{registry.address}/bench/bert:start"
@@ -111,7 +117,8 @@ def put_image(registry: services.RegistryProcess, name: str, state: Path) -> tup
         return "bench/bert", reply.headers["Docker-Content-Digest"]
     made = ngc_image.generate(registry.address, "scale/ngc", name.lower(), parse_size(name),
                               40 if parse_size(name) > 2 << 30 else 12, 2026, state,
-                              say=lambda text: print(f"  {text}", flush=True))
+                              say=lambda text: print(f"  {text}", flush=True),
+                              extra=[ngc_image.host_shell()] if shell else None)
     return "scale/ngc", str(made["digest"])
 
 
@@ -222,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         images = {}
         for name in args.images.split(","):
             print(f"{name}: into the registry", flush=True)
-            images[name] = put_image(registry, name, ROOT / "build" / "bench" / "ngc-image.json")
+            images[name] = put_image(registry, name, ROOT / "build" / "bench" / "ngc-image.json",
+                                     shell=args.pyxis is not None)
         spec = SandboxSpec(shared_folder("imgpipe-start-cluster-"), name="imgpb",
                            subnet="10.213.12", compute_nodes=args.nodes, cpus=4, gpus=4,
                            plugstack=plugstack)

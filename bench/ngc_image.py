@@ -28,6 +28,7 @@ import datetime as dt
 import hashlib
 import io
 import json
+import os
 import random
 import struct
 import sys
@@ -49,7 +50,7 @@ CHUNK = 32 << 20  # bytes per PATCH
 BLOCK = 64 << 10  # content is made in blocks: half random, half a repeated pattern
 SMALL_FILE_MEAN = 6 << 10
 FILES_PER_GB = 21_000
-PLAN_VERSION = 2  # bump when plan() changes: a resumed run must not mix old layers in
+PLAN_VERSION = 3  # bump when plan() changes: a resumed run must not mix old layers in
 LAYER_GZIP = "application/vnd.docker.image.rootfs.diff.tar.gzip"
 MANIFEST_V2 = "application/vnd.docker.distribution.manifest.v2+json"
 CONFIG_V1 = "application/vnd.docker.container.image.v1+json"
@@ -62,7 +63,7 @@ class Entry:
     folder, or a whiteout (an empty file named ``.wh.NAME`` or ``.wh..wh..opq``)."""
 
     path: str
-    kind: str = "file"  # file | program | dir | symlink | hardlink | whiteout
+    kind: str = "file"  # file | program | copy | dir | symlink | hardlink | whiteout
     size: int = 0
     seed: int = 0
     target: str = ""
@@ -134,7 +135,8 @@ def plan(total: int, layers: int, seed: int) -> list[Layer]:
                      Entry("usr/bin/true", "program"),
                      # what a real base image has and container runtimes mount over
                      *[Entry(folder, "dir") for folder in ("dev", "proc", "sys", "tmp", "run",
-                                                           "home", "mnt", "root", "var/tmp")],
+                                                           "home", "mnt", "root", "var/tmp",
+                                                           "workspace")],
                      *[Entry(f"etc/{name}", size=64, seed=index) for index, name in
                        enumerate(("passwd", "group", "hosts", "resolv.conf"))],
                      Entry("opt/legacy/README", size=4096, seed=1),
@@ -267,6 +269,10 @@ def members(layer: Layer) -> Iterator[tuple[tarfile.TarInfo, io.RawIOBase | None
             small = entry.size < (1 << 20)
             yield info, (io.BytesIO(source_text(entry.seed, entry.size)) if small
                          else Content(entry.seed, entry.size))
+        elif entry.kind == "copy":  # this host's file ``target``
+            code = Path(entry.target).read_bytes()
+            info.size, info.mode = len(code), 0o755
+            yield info, io.BytesIO(code)
         elif entry.kind == "program":
             code = exit_zero_program()
             info.size, info.mode = len(code), 0o755
@@ -305,9 +311,21 @@ def put_blob(session: requests.Session, url: str, repo: str, data: bytes) -> str
     return digest
 
 
+def host_shell() -> Layer:
+    """A layer with this host's /bin/sh (dash) and the libraries it loads: what Enroot needs
+    to start a container (it runs ``/etc/rc`` with /bin/sh).  Not reproducible across hosts,
+    so only added on request (``bench_start.py --pyxis``)."""
+    return Layer("host-shell", [Entry("bin/sh", "copy", target=os.path.realpath("/bin/sh")),
+                                *[Entry(path.lstrip("/"), "copy", target=os.path.realpath(path))
+                                  for path in ("/lib/x86_64-linux-gnu/libc.so.6",
+                                               "/lib64/ld-linux-x86-64.so.2")]])
+
+
 def generate(registry: str, repo: str, tag: str, total: int, layers: int, seed: int,
-             state_file: Path, say: object = print) -> dict[str, object]:
-    """Push the image; its manifest digest, sizes and counts, and seconds spent."""
+             state_file: Path, say: object = print, extra: list[Layer] | None = None
+             ) -> dict[str, object]:
+    """Push the image (and ``extra`` layers on top); its manifest digest, sizes and counts,
+    and seconds spent."""
     url = f"http://{registry}"
     session = requests.Session()
     session.trust_env = False
@@ -315,11 +333,12 @@ def generate(registry: str, repo: str, tag: str, total: int, layers: int, seed: 
         state = json.loads(state_file.read_text())
     except (OSError, ValueError):
         state = {}
-    key = f"{total}-{layers}-{seed}-v{PLAN_VERSION}"
+    key = "-".join([str(total), str(layers), str(seed), f"v{PLAN_VERSION}",
+                    *[layer.name for layer in extra or []]])
     done_layers: dict[str, list] = state.get(key, {})
     started = time.monotonic()
     descriptors, diff_ids, history = [], [], []
-    layer_plan = plan(total, layers, seed)
+    layer_plan = plan(total, layers, seed) + list(extra or [])
     for number, layer in enumerate(layer_plan):
         known = done_layers.get(layer.name)
         if known and exists(session, url, repo, known[0]):
