@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from imgpipe.enroot.convert import convert  # noqa: E402
-from imgpipe.enroot.flatten import open_layer  # noqa: E402
+from imgpipe.enroot.layerstream import open_layer  # noqa: E402
 from imgpipe.enroot.squash import SquashOptions  # noqa: E402
 from imgpipe.enroot.storage import Storage  # noqa: E402
 from imgpipe.registry.client import RegistryClient  # noqa: E402
