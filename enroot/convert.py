@@ -28,14 +28,8 @@ from imgpipe.enroot.errors import (
     NoSpaceError,
 )
 from imgpipe.enroot.fetch import MAX_CONNECTIONS, FetchedImage, fetch_blob_cached, fetch_image
-from imgpipe.enroot.flatten import (
-    LayerCounts,
-    LayerSource,
-    MergedView,
-    merge,
-    write_stream,
-    write_tree,
-)
+from imgpipe.enroot.flatten import LayerCounts, MergedView, merge, write_stream, write_tree
+from imgpipe.enroot.layerstream import LayerSource
 from imgpipe.enroot.rcfiles import rc_files
 from imgpipe.enroot.squash import SquashOptions, squash_stream, squash_tree
 from imgpipe.enroot.storage import Storage

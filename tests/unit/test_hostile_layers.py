@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from imgpipe.enroot.errors import BlobDigestError, HostileLayerError
-from imgpipe.enroot.flatten import LayerSource, merge, write_stream, write_tree
+from imgpipe.enroot.flatten import merge, write_stream, write_tree
+from imgpipe.enroot.layerstream import LayerSource
 from tests.hostile_layers import BASE, CASES, entry, layer
 
 
