@@ -128,6 +128,15 @@ class EnrootConfig(_Strict):
                                  "parallel by a conversion (Enroot's ENROOT_MAX_CONNECTIONS)")
     cache_max_size: str | None = Field(default=None, description="prune the shared cache "
                                        "to this size (e.g. 500G) after each conversion")
+    prebuilt: bool = Field(default=True, description="fetch a squashfs published beside "
+                           "the image (imgpipe push --squashfs) when a pin names it, instead "
+                           "of converting; false: always convert (--no-prebuilt)")
+    prebuilt_unpinned: bool = Field(default=False, description="also use a published squashfs "
+                                    "no pin names (the registry is trusted; checked against "
+                                    "the image's layers)")
+    publish_compressions: list[Literal["zstd", "lz4", "lzo-enroot", "none"]] = Field(
+        default=["zstd"], min_length=1, description="what `imgpipe push --squashfs` publishes "
+        "(lzo-enroot for nodes with kernels older than 4.14)")
     version: str | None = Field(default=None, description="Enroot's version on the compute "
                                 "nodes (e.g. 3.5.0); default: the enroot on this host.  Enroot "
                                 "3.x cannot pull by digest: recipes then pin squashfs files")

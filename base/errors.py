@@ -21,7 +21,8 @@ Hierarchy::
     ├── ConvertError                imgpipe.enroot.errors: a conversion or the cache
     │   ├── HostileLayerError       a layer entry or stream that cannot be trusted
     │   ├── BlobDigestError         a cached blob changed since it was fetched
-    │   └── NoSpaceError            the squashfs folder is full (folder, needed, free)
+    │   ├── NoSpaceError            the squashfs folder is full (folder, needed, free)
+    │   └── VerifyError             a published squashfs differs from a local conversion
     └── RecipeError                 imgpipe.recipes.errors: rendering, publishing, pulling
         ├── ShapeError              a shape that cannot keep the global batch (exit 2)
         ├── ProfileError            an unknown or invalid profile (exit 2)

@@ -8,11 +8,13 @@ from typing import Any
 
 import click
 
+from imgpipe.base.config import Settings
 from imgpipe.base.progress import Progress, choose_mode
 from imgpipe.cli.clikit import CONTEXT, invocation, reporting, settings_of
 from imgpipe.cli.output import Result
 from imgpipe.commands.convert import convert_and_record
 from imgpipe.commands.images import (
+    Pushed,
     build_images,
     ci_merge,
     mirror_image,
@@ -21,6 +23,7 @@ from imgpipe.commands.images import (
     run_selftest,
     unconverted,
 )
+from imgpipe.commands.published import Published, publish_squashfs
 from imgpipe.pipeline.catalog import Image, load_catalog, select
 from imgpipe.pipeline.lock import lock_path
 from imgpipe.pipeline.plan import PlanItem
@@ -125,13 +128,17 @@ def build(ctx: click.Context, images: tuple[str, ...], flavor: str | None,
 @click.argument("images", nargs=-1, metavar="[IMAGE]...")
 @click.option("--convert", "then_convert", is_flag=True,
               help="Then convert each pushed image into a squashfs file (imgpipe convert).")
+@click.option("--squashfs", "with_squashfs", is_flag=True,
+              help="Then publish each pushed image's squashfs beside it in the registry "
+              "(enroot.publish_compressions) and pin it in imgpipe.lock: nodes fetch it "
+              "instead of converting.")
 @click.option("--force", is_flag=True, help="Push even what imgpipe.lock says is pushed.")
 @click.option("--flavor", type=click.Choice(["ngc", "cpu"]), default=None,
               help="Only builds of this flavor; an image not built here is looked up in the "
               "registry in it (default: default_flavor).")
 @reporting
 def push(ctx: click.Context, images: tuple[str, ...], then_convert: bool,
-         force: bool, flavor: str | None) -> Result:
+         with_squashfs: bool, force: bool, flavor: str | None) -> Result:
     """Push what `imgpipe build` built and record the digests in imgpipe.lock.
 
     Pushes every tag, reads the manifest digest back from the registry, checks
@@ -140,11 +147,14 @@ def push(ctx: click.Context, images: tuple[str, ...], then_convert: bool,
     whose inputs the registry holds already (pushed by CI or a colleague:
     `imgpipe build` said "up to date") is recorded in the lock, not pushed.
     --convert makes the squashfs of what it pushed or recorded, or of what the
-    lock pins without one.
+    lock pins without one.  --squashfs also publishes that squashfs beside the
+    image (an OCI artifact whose subject is the image manifest) and pins its
+    digest in imgpipe.lock; `imgpipe registry ls` shows what has one.
 
     \b
-    Example:
+    Examples:
       imgpipe build bert && imgpipe push
+      imgpipe push bert --squashfs      # what CI runs: convert once, fetch anywhere
     """
     settings = settings_of(ctx)
     progress = Progress(choose_mode(invocation(ctx).json))
@@ -156,8 +166,9 @@ def push(ctx: click.Context, images: tuple[str, ...], then_convert: bool,
         lines += [f"{key}: {entry.pinned} (in the registry already, pushed "
                   f"{entry.pushed_at}; recorded in imgpipe.lock)"
                   for key, entry in done.adopted.items()]
-    squashfs = {}
-    if then_convert:
+    squashfs: dict[str, str] = {}
+    published: list[Published] = []
+    if then_convert and not with_squashfs:
         keys = [(o.image, o.flavor) for o in done.pushed]
         keys += [(key.split("/")[0], key.split("/")[1]) for key in done.adopted]
         if not keys:  # nothing new: the squashfs of what the lock pins, where it is missing
@@ -166,8 +177,29 @@ def push(ctx: click.Context, images: tuple[str, ...], then_convert: bool,
             converted = convert_and_record(settings, name, flavor, None, False, progress)
             squashfs[f"{name}/{flavor}"] = str(converted.path)
             lines.append(f"{name}/{flavor}: {converted.path}")
+    if with_squashfs:
+        published, more = _publish_all(settings, images, flavor, done, progress)
+        lines += more
     return Result({"images": done.pushed, "adopted": done.adopted,
-                   "lock": lock_path(settings.root), "squashfs": squashfs}, lines)
+                   "lock": lock_path(settings.root), "squashfs": squashfs,
+                   "published": published}, lines)
+
+
+def _publish_all(settings: Settings, images: tuple[str, ...], flavor: str | None,
+                 done: Pushed, progress: Progress) -> tuple[list[Published], list[str]]:
+    """Publish the squashfs of every image pushed, recorded, or (nothing new) pinned."""
+    keys = [(o.image, o.flavor) for o in done.pushed]
+    keys += [(key.split("/")[0], key.split("/")[1]) for key in done.adopted]
+    if not keys:
+        wanted = flavor or settings.default_flavor
+        keys = [(image.name, wanted) for image in select(load_catalog(settings), list(images))
+                if wanted in image.spec.flavors]
+    published = [p for name, one in keys for p in publish_squashfs(settings, name, one,
+                                                                    progress)]
+    return published, [f"{p.image}/{p.flavor}: squashfs {p.squashfs.blob} "
+                       f"({p.squashfs.compression}) "
+                       + ("published" if p.pushed else "published already")
+                       for p in published]
 
 
 @click.command(context_settings=CONTEXT)
@@ -216,22 +248,35 @@ def mirror(ctx: click.Context, source: str, dest: str | None) -> Result:
               help="Flavor to build (default: default_flavor in imgpipe.yaml).")
 @click.option("--wheels", "wheels_dir", type=click.Path(file_okay=False, path_type=Path),
               default=None, help="Offer this folder of .whl files to the builds.")
+@click.option("--squashfs", "with_squashfs", is_flag=True,
+              help="Also publish each pushed image's squashfs beside it (push --squashfs).")
 @reporting
-def ci(ctx: click.Context, flavor: str | None, wheels_dir: Path | None) -> Result:
+def ci(ctx: click.Context, flavor: str | None, wheels_dir: Path | None,
+       with_squashfs: bool) -> Result:
     """What CI runs on every merge: plan, build what changed, self-test, push, lock.
 
-    With nothing changed it does nothing and exits 0.
+    With nothing changed it does nothing and exits 0.  With --squashfs (the
+    workflow's default) every pushed image's squashfs is converted once and
+    published beside it, so no cluster converts it again.
 
     \b
     Example (.github/workflows/images.yml runs this on the head node):
-      imgpipe ci --flavor ngc
+      imgpipe ci --flavor ngc --squashfs
     """
-    merged = ci_merge(settings_of(ctx), flavor, wheels_dir,
-                      Progress(choose_mode(invocation(ctx).json)))
+    settings = settings_of(ctx)
+    progress = Progress(choose_mode(invocation(ctx).json))
+    merged = ci_merge(settings, flavor, wheels_dir, progress)
     if not merged.built:
         return Result({"built": [], "pushed": []}, ["nothing changed: all images up to date"])
     lines = [f"{o.image}/{o.flavor}: {o.pinned}" for o in merged.pushed]
-    return Result({"built": merged.built, "pushed": merged.pushed}, lines)
+    published = []
+    if with_squashfs:
+        published = [p for o in merged.pushed
+                     for p in publish_squashfs(settings, o.image, o.flavor, progress)]
+        lines += [f"{p.image}/{p.flavor}: squashfs {p.squashfs.blob} ({p.squashfs.compression})"
+                  for p in published]
+    return Result({"built": merged.built, "pushed": merged.pushed, "published": published},
+                  lines)
 
 
 COMMANDS = [plan, build, push, selftest, mirror, ci]

@@ -9,6 +9,7 @@ from imgpipe.base.units import human_bytes
 from imgpipe.cli.clikit import CONTEXT, invocation, parsed_by, reporting, settings_of
 from imgpipe.cli.output import Result
 from imgpipe.commands.convert import convert_and_record
+from imgpipe.commands.published import verify
 from imgpipe.enroot.convert import Conversion
 from imgpipe.enroot.nodeconfig import (
     PYXIS_SO_CANDIDATES,
@@ -23,7 +24,9 @@ COMPRESSION = click.Choice(["zstd", "lz4", "lzo-enroot", "none"])
 
 
 def _lines(conversion: Conversion) -> list[str]:
-    verb = (f"converted in {conversion.seconds:.1f} s" if conversion.converted
+    verb = (f"fetched published squashfs {conversion.prebuilt[:19]} in "
+            f"{conversion.seconds:.1f} s" if conversion.prebuilt
+            else f"converted in {conversion.seconds:.1f} s" if conversion.converted
             else "already converted")
     return [f"{conversion.reference}: {verb}",
             f"  {conversion.path} ({human_bytes(conversion.size)}, {conversion.compression})"]
@@ -38,15 +41,23 @@ def _lines(conversion: Conversion) -> list[str]:
               "kernels older than 4.14) or none.  Default: image.yaml, then imgpipe.yaml.")
 @click.option("--with-enroot", is_flag=True,
               help="Let `enroot import` do the conversion, under the same cache and lock.")
+@click.option("--no-prebuilt", is_flag=True,
+              help="Convert even when a pinned squashfs is published beside the image "
+              "(as enroot.prebuilt: false does for every command).")
 @reporting
 def convert_command(ctx: click.Context, target: str, flavor: str | None,
-                    compression: str | None, with_enroot: bool) -> Result:
+                    compression: str | None, with_enroot: bool, no_prebuilt: bool) -> Result:
     """Convert an image into a squashfs file in outputs.squashfs_dir, once per digest.
 
     IMAGE is a catalog name (its digest is taken from imgpipe.lock, and the lock
     records the squashfs path and checksum); REF is any reference in the
     registry.  A digest already converted returns at once; concurrent runs,
     on one host or many sharing the directory, convert it once.
+
+    A squashfs published beside the image (imgpipe push --squashfs) is fetched
+    instead of converting when its digest is pinned: by imgpipe.lock, by
+    IMGPIPE_SQUASHFS_PINS ("IMAGE_DIGEST=SQUASHFS_DIGEST ..."), or by
+    `imgpipe verify`.  Unpinned ones are used only with enroot.prebuilt_unpinned.
 
     \b
     Examples:
@@ -56,12 +67,13 @@ def convert_command(ctx: click.Context, target: str, flavor: str | None,
     settings = settings_of(ctx)
     progress = Progress(choose_mode(invocation(ctx).json))
     conversion = convert_and_record(settings, target, flavor or settings.default_flavor,
-                                    compression, with_enroot, progress)
+                                    compression, with_enroot, progress, no_prebuilt)
     return Result({"reference": conversion.reference, "digest": conversion.digest,
                    "squashfs": conversion.path, "converted": conversion.converted,
                    "seconds": round(conversion.seconds, 3), "size": conversion.size,
                    "compression": conversion.compression,
                    "fetched_bytes": conversion.fetched_bytes, "entries": conversion.entries,
+                   "prebuilt": conversion.prebuilt,
                    "layers": conversion.layers}, _lines(conversion))
 
 
@@ -113,4 +125,37 @@ def node_config(ctx: click.Context, pyxis_version: tuple[int, int, int] | None,
                    "importer": rendered.importer_path}, text.rstrip("\n").splitlines())
 
 
-COMMANDS = [convert_command, node_config]
+@click.command(name="verify", context_settings=CONTEXT)
+@click.argument("target", metavar="IMAGE|REF")
+@click.option("--flavor", type=click.Choice(["ngc", "cpu"]), default=None,
+              help="For an IMAGE of the catalog: which flavor's pushed digest.")
+@click.option("--compression", type=COMPRESSION, default=None,
+              help="Which published squashfs to check (default: as `imgpipe convert`).")
+@reporting
+def verify_command(ctx: click.Context, target: str, flavor: str | None,
+                   compression: str | None) -> Result:
+    """Convert an image here and compare it byte for byte with its published squashfs.
+
+    Conversion is deterministic, so a squashfs published beside an image (imgpipe
+    push --squashfs) must equal what any cache converts from the same layers.
+    This converts in a private area (never from a published file), compares with
+    every squashfs published for the digest in that compression, and exits 1
+    naming both digests on a mismatch.  For an IMAGE of the catalog a match is
+    pinned in imgpipe.lock, so this checkout's conversions and recipes then
+    fetch the published file instead of converting.
+
+    \b
+    Example:
+      imgpipe verify bert && imgpipe convert bert
+    """
+    settings = settings_of(ctx)
+    progress = Progress(choose_mode(invocation(ctx).json))
+    done = verify(settings, target, flavor or settings.default_flavor, compression, progress)
+    return Result({"reference": done.reference, "digest": done.digest,
+                   "compression": done.compression, "local": done.local,
+                   "published": done.published, "seconds": round(done.seconds, 3)},
+                  [f"{done.reference}: published squashfs {done.local} ({done.compression}) "
+                   f"equals a local conversion ({done.seconds:.1f} s)"])
+
+
+COMMANDS = [convert_command, node_config, verify_command]

@@ -4,7 +4,9 @@ Pyxis (0.21+) runs ``IMPORTER get URI`` and takes the squashfs path printed on
 stdout, then ``IMPORTER release`` when the step ends.  URI comes in Enroot's
 form (``docker://[USER@][REGISTRY#]IMAGE[:TAG]``).  ``get`` converts under the
 digest's lock when needed, so the first job to need a digest converts it and
-every other node reuses the file.  ``release`` never deletes a shared cache
+every other node reuses the file, or fetches the squashfs published beside the
+image when the job's IMGPIPE_SQUASHFS_PINS (the recipes set it) names its digest.
+``release`` never deletes a shared cache
 entry; it only ends this step's recorded use, and may be called any number of
 times.  What goes to stderr is what the user sees when the import fails.
 
@@ -137,6 +139,7 @@ def get(uri: str) -> Path:
     from imgpipe.base.config import load_settings
     from imgpipe.commands.wiring import registry_client, storage
     from imgpipe.enroot.convert import convert
+    from imgpipe.enroot.prebuilt import Prebuilt
     from imgpipe.enroot.squash import SquashOptions, compression_of
     from imgpipe.registry.reference import Reference
 
@@ -148,7 +151,8 @@ def get(uri: str) -> Path:
         SquashOptions(compression_of(enroot.default_compression), enroot.zstd_level,
                       enroot.processors),
         say=lambda text: print(f"imgpipe: {text}", file=sys.stderr, flush=True),
-        connections=enroot.max_connections)
+        connections=enroot.max_connections,
+        prebuilt=Prebuilt(enroot.prebuilt, unpinned=enroot.prebuilt_unpinned))
     if conversion.converted and enroot.cache_max_size:
         from imgpipe.base.units import parse_size
         from imgpipe.enroot.usage import prune

@@ -47,6 +47,8 @@ LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
         "Convert an image into a squashfs file in outputs.squashfs_dir, once per digest."),
     "node-config": ("imgpipe.cli.convert", "node_config",
         "Print what compute nodes need: enroot.conf, plugstack.conf and install lines."),
+    "verify": ("imgpipe.cli.convert", "verify_command",
+        "Convert an image here and compare it byte for byte with its published squashfs."),
     "registry": ("imgpipe.cli.registry", "registry",
         "Run the head node's registry and look after what it holds."),
     "recipes": ("imgpipe.cli.recipes", "recipes",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from imgpipe.base.errors import ImgpipeError
@@ -9,9 +11,17 @@ from imgpipe.base.units import human_bytes
 from imgpipe.cli.clikit import CONTEXT, reporting, settings_of
 from imgpipe.cli.output import Result
 from imgpipe.commands.wiring import local_registry, registry_client
-from imgpipe.registry.inventory import remove_tag, tag_digests
+from imgpipe.enroot.published import find_published
+from imgpipe.registry.client import RegistryClient
+from imgpipe.registry.inventory import (
+    remove_orphaned_artifacts,
+    remove_tag,
+    subjects_with_referrers,
+    tag_digests,
+)
 from imgpipe.registry.local import dir_bytes
 from imgpipe.registry.reference import Reference
+from imgpipe.registry.referrers import is_referrers_tag
 
 
 @click.group(context_settings=CONTEXT)
@@ -108,14 +118,43 @@ def status(ctx: click.Context) -> Result:
     return Result(data, lines)
 
 
+def _squashfs_of(client: RegistryClient, repository: str, tags: list[str]
+                 ) -> dict[str, list[str]]:
+    """tag -> the compressions of the squashfs published beside the manifest it names."""
+    subjects = subjects_with_referrers(tags)
+    if not subjects:
+        return {}
+    found: dict[str, list[str]] = {}
+    for tag in tags:
+        if is_referrers_tag(tag):
+            continue
+        digest = client.manifest_digest(repository, tag)
+        if digest in subjects:
+            kinds = sorted({p.compression for p in find_published(client, repository, digest)})
+            if kinds:
+                found[tag] = kinds
+    return found
+
+
 @registry.command(name="ls", context_settings=CONTEXT)
 @reporting
 def list_repositories(ctx: click.Context) -> Result:
-    """List every repository with its tags (pages through the whole catalog)."""
+    """List every repository with its tags (pages through the whole catalog), and which
+    tags have a squashfs published beside them (imgpipe push --squashfs)."""
     client = registry_client(settings_of(ctx))
-    repositories = [{"name": repo, "tags": sorted(client.listed_tags(repo))}
-                    for repo in client.catalog()]
-    lines = [f"{r['name']}  {', '.join(r['tags']) or '(no tags)'}" for r in repositories]
+    repositories: list[dict[str, Any]] = []
+    for repo in client.catalog():
+        listed = client.listed_tags(repo)
+        squashfs = _squashfs_of(client, repo, listed)
+        repositories.append({"name": repo, "squashfs": squashfs,
+                             "tags": sorted(t for t in listed if not is_referrers_tag(t))})
+    lines = []
+    for r in repositories:
+        line = f"{r['name']}  {', '.join(r['tags']) or '(no tags)'}"
+        if r["squashfs"]:
+            line += "  [squashfs published: " + ", ".join(
+                f"{tag} ({'/'.join(kinds)})" for tag, kinds in sorted(r["squashfs"].items())) + "]"
+        lines.append(line)
     if not repositories:
         lines = ["(the registry holds no repositories)"]
     return Result({"registry": client.address, "repositories": repositories}, lines)
@@ -166,9 +205,12 @@ def rm(ctx: click.Context, image: str, force: bool) -> Result:
     lines = [f"deleted {ref.repository}@{removal.digest}"]
     if others:
         lines.append(f"also removed tags pointing to it: {', '.join(others)}")
+    if removal.artifacts:
+        lines.append(f"also removed {len(removal.artifacts)} artifact(s) published beside it "
+                     f"(its squashfs): {', '.join(a[:19] for a in removal.artifacts)}")
     lines.append("run `imgpipe registry gc` to free its bytes")
     return Result({"repository": ref.repository, "digest": removal.digest,
-                   "tags": removal.tags}, lines)
+                   "tags": removal.tags, "artifacts": removal.artifacts}, lines)
 
 
 @registry.command(context_settings=CONTEXT)
@@ -179,10 +221,19 @@ def rm(ctx: click.Context, image: str, force: bool) -> Result:
 def gc(ctx: click.Context, delete_untagged: bool) -> Result:
     """Free the blobs no manifest uses (stops the registry for the collection).
 
-    The registry is stopped while the collector runs and started again after,
-    as the registry requires.
+    Artifacts published beside an image (its squashfs) are kept while the image
+    is, and deleted first when it is gone.  The registry is stopped while the
+    collector runs and started again after, as the registry requires.
     """
-    before, after = local_registry(settings_of(ctx)).garbage_collect(delete_untagged)
+    settings = settings_of(ctx)
+    local = local_registry(settings)
+    orphans = []
+    if local.state().mode in ("container", "binary"):
+        orphans = remove_orphaned_artifacts(registry_client(settings))
+    before, after = local.garbage_collect(delete_untagged)
     freed = max(before - after, 0)
-    return Result({"bytes_before": before, "bytes_after": after, "bytes_freed": freed},
-                  [f"freed {human_bytes(freed)} ({human_bytes(before)} -> {human_bytes(after)})"])
+    lines = [f"deleted {len(o.artifacts)} artifact(s) of {o.repository}@{o.digest[:19]}, "
+             "which is gone" for o in orphans]
+    lines.append(f"freed {human_bytes(freed)} ({human_bytes(before)} -> {human_bytes(after)})")
+    return Result({"bytes_before": before, "bytes_after": after, "bytes_freed": freed,
+                   "orphaned_artifacts": orphans}, lines)

@@ -30,6 +30,7 @@ from imgpipe.enroot.errors import (
 from imgpipe.enroot.fetch import MAX_CONNECTIONS, FetchedImage, fetch_blob_cached, fetch_image
 from imgpipe.enroot.flatten import LayerCounts, MergedView, merge, write_stream, write_tree
 from imgpipe.enroot.layerstream import LayerSource
+from imgpipe.enroot.prebuilt import Prebuilt, try_prebuilt
 from imgpipe.enroot.rcfiles import rc_files
 from imgpipe.enroot.squash import SquashOptions, squash_stream, squash_tree
 from imgpipe.enroot.storage import Storage
@@ -50,6 +51,7 @@ class Conversion:
     fetched_bytes: int = 0
     entries: int = 0
     layers: list[LayerCounts] = field(default_factory=list)
+    prebuilt: str | None = None  # the published squashfs fetched instead of converting
 
     @property
     def pinned(self) -> Reference:
@@ -80,10 +82,12 @@ class _Target:
     count: Counter = field(default=lambda what, total: lambda n: None)
 
     def result(self, converted: bool, fetched_bytes: int = 0, entries: int = 0,
-               layers: list[LayerCounts] | None = None) -> Conversion:
+               layers: list[LayerCounts] | None = None, prebuilt: str | None = None
+               ) -> Conversion:
         return Conversion(str(self.ref), self.digest, self.final, converted,
                           time.monotonic() - self.started, self.final.stat().st_size,
-                          self.options.compression, fetched_bytes, entries, layers or [])
+                          self.options.compression, fetched_bytes, entries, layers or [],
+                          prebuilt)
 
 
 def require_served(ref: Reference, address: str) -> None:
@@ -113,10 +117,11 @@ def convert(client: RegistryClient, storage: Storage, ref: Reference,
             options: SquashOptions | None = None,
             say: Callable[[str], None] = lambda _: None,
             with_enroot: bool = False, connections: int = MAX_CONNECTIONS,
-            count: Counter | None = None) -> Conversion:
+            count: Counter | None = None, prebuilt: Prebuilt | None = None) -> Conversion:
     """Make sure the squashfs of ``ref`` exists and return where it is; layers are fetched
     over ``connections`` parallel requests (enroot.max_connections).  ``count`` makes a
-    byte counter for the fetch and the squash (a progress display's).
+    byte counter for the fetch and the squash (a progress display's).  ``prebuilt``: a
+    published squashfs the policy trusts is fetched instead (enroot.prebuilt).
 
     Raises ConvertError (or RegistryError, HostileLayerError) on failure; the
     shared directory then holds no new file.
@@ -147,7 +152,49 @@ def convert(client: RegistryClient, storage: Storage, ref: Reference,
             say(f"removed {removed} leftover(s) of an interrupted conversion")
         if with_enroot:
             return _convert_with_enroot(client, target)
+        if prebuilt is not None and prebuilt.use:
+            fetched = _fetch_prebuilt(client, storage, target, prebuilt.pinned_for(digest),
+                                      connections)
+            if fetched is not None:
+                return fetched
         return _convert_locked(client, storage, target, connections)
+
+
+def convert_privately(client: RegistryClient, storage: Storage, ref: Reference,
+                      options: SquashOptions, dest: Path,
+                      say: Callable[[str], None] = lambda _: None,
+                      connections: int = MAX_CONNECTIONS, count: Counter | None = None
+                      ) -> Conversion:
+    """Convert ``ref`` into ``dest``, a file of the caller's outside the cache's names (what
+    `imgpipe verify` compares a published squashfs with), whatever the cache holds; under the
+    digest's lock, whose holder owns the digest's work areas."""
+    require_served(ref, client.address)
+    storage.prepare()
+    digest = resolve_digest(client, ref)
+    target = _Target(ref, digest, dest, options, say, time.monotonic(),
+                     *([count] if count else []))
+    with storage.lock(digest, on_wait=say):
+        return _convert_locked(client, storage, target, connections)
+
+
+def _fetch_prebuilt(client: RegistryClient, storage: Storage, target: _Target,
+                    policy: Prebuilt, connections: int) -> Conversion | None:
+    """The published squashfs of the target, when the policy trusts one (enroot.prebuilt)."""
+    repository = target.ref.repository
+
+    def layers_view() -> MergedView:
+        image = fetch_image(client, storage, repository, target.digest,
+                            connections=connections)
+        return merge(layer_sources(image), rc_files(image.config))
+
+    fetched = try_prebuilt(client, storage, repository, target.digest,
+                           target.options.compression, target.final, policy, layers_view,
+                           target.say,
+                           lambda total: target.count(f"fetch squashfs {repository}", total))
+    if fetched is None:
+        return None
+    return target.result(converted=True, fetched_bytes=fetched.received,
+                         entries=fetched.entries, prebuilt=fetched.published.blob)
 
 
 def _convert_with_enroot(client: RegistryClient, target: _Target) -> Conversion:

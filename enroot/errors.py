@@ -58,3 +58,10 @@ class NoSpaceError(ConvertError):
 
 def _mib(count: int) -> str:
     return f"{count / (1 << 20):.1f} MiB"
+
+
+class VerifyError(ConvertError):
+    """A published squashfs differs from a local conversion of its image, or none is
+    published to compare with (``imgpipe verify``)."""
+
+    code = "verify"

@@ -40,6 +40,9 @@ class LockEntry(BaseModel):
     pushed_at: str
     squashfs: str | None = None
     squashfs_sha256: str | None = None
+    # compression -> digest of the squashfs published beside this manifest (push --squashfs,
+    # or `imgpipe verify` after converting it here): the pin a fetched squashfs must equal
+    squashfs_digests: dict[str, str] = {}
     build_args: dict[str, str] = {}  # the values, beside their hash in inputs
     wheels_dir: str | None = None  # the wheels folder the build was offered
 

@@ -141,6 +141,7 @@ class RegistryClient:
         headers: dict[str, str] | None = None,
         params: dict[str, Any] | None = None,
         stream: bool = False,
+        data: bytes | None = None,
     ) -> requests.Response:
         """One request, with the auth loop; raises RegistryError unless status is in ``ok``."""
         url = path if path.startswith(("http://", "https://")) else self.base_url + path
@@ -149,7 +150,7 @@ class RegistryClient:
         for attempt in range(3):  # anonymous or cached header, then at most two challenges
             if self._authorization:
                 sent_headers["Authorization"] = self._authorization
-            response = self._send(method, url, sent_headers, params, stream)
+            response = self._send(method, url, sent_headers, params, stream, data)
             if response.status_code != 401 or 401 in accepted:
                 break
             if attempt == 2:
@@ -173,10 +174,11 @@ class RegistryClient:
         return response
 
     def _send(self, method: str, url: str, headers: dict[str, str],
-              params: dict[str, str] | None, stream: bool) -> requests.Response:
+              params: dict[str, str] | None, stream: bool,
+              data: bytes | None = None) -> requests.Response:
         try:
             return self.session.request(
-                method, url, headers=headers, params=params, stream=stream,
+                method, url, headers=headers, params=params, stream=stream, data=data,
                 timeout=self.timeout, verify=self.verify, allow_redirects=True,
             )
         except requests.exceptions.SSLError as exc:

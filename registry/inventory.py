@@ -1,4 +1,5 @@
-"""What a registry holds, and removing a tag by its manifest digest."""
+"""What a registry holds, and removing a tag by its manifest digest (with the artifacts that
+name it as their subject: an image's published squashfs goes with the image)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from dataclasses import dataclass, field
 
 from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.errors import RegistryError
+from imgpipe.registry.referrers import is_referrers_tag, referrers, referrers_tag
 
 
 @dataclass(frozen=True)
@@ -21,12 +23,13 @@ class Removal:
     repository: str
     digest: str
     tags: list[str] = field(default_factory=list)
+    artifacts: list[str] = field(default_factory=list)  # referrers deleted with it
 
 
 def tag_digests(client: RegistryClient, repository: str) -> list[TagInfo]:
     """Each tag of ``repository`` with the digest it points to."""
     return [TagInfo(tag, client.manifest_digest(repository, tag))
-            for tag in sorted(client.tags(repository))]
+            for tag in sorted(client.tags(repository)) if not is_referrers_tag(tag)]
 
 
 def remove_tag(client: RegistryClient, repository: str, tag: str, force: bool = False
@@ -51,7 +54,48 @@ def remove_tag(client: RegistryClient, repository: str, tag: str, force: bool = 
             f"{', '.join(others)}: the registry deletes manifests, so those tags would go too",
             hint="pass --force to delete all of them")
     client.delete_manifest(repository, digest)
-    return Removal(repository, digest, sharing)
+    return Removal(repository, digest, sharing, remove_referrers(client, repository, digest))
+
+
+def remove_referrers(client: RegistryClient, repository: str, subject: str) -> list[str]:
+    """Delete every artifact naming ``subject`` and its referrers index; their digests."""
+    removed = []
+    for descriptor in referrers(client, repository, subject):
+        try:
+            client.delete_manifest(repository, descriptor["digest"])
+            removed.append(str(descriptor["digest"]))
+        except RegistryError as exc:
+            if exc.status != 404:
+                raise
+    index = client.manifest_digest(repository, referrers_tag(subject))
+    if index is not None:
+        client.delete_manifest(repository, index)
+    return removed
+
+
+def subjects_with_referrers(tags: list[str]) -> set[str]:
+    """The subject digests a repository's tags show referrers of (the tag schema's index and
+    imgpipe's artifact tags: ``sha256-<hex>[.suffix]``)."""
+    return {"sha256:" + tag[7:71] for tag in tags if is_referrers_tag(tag)}
+
+
+def remove_orphaned_artifacts(client: RegistryClient) -> list[Removal]:
+    """Artifacts whose subject is gone (deleted by hand, or by another tool): deleted, so
+    the registry's collector can free them; those whose subject is kept stay."""
+    removals = []
+    for repository in client.catalog():
+        for subject in sorted(subjects_with_referrers(client.listed_tags(repository))):
+            if client.manifest_digest(repository, subject) is not None:
+                continue
+            gone = remove_referrers(client, repository, subject)
+            for tag in client.listed_tags(repository):  # artifact tags the index missed
+                if tag.startswith(referrers_tag(subject)):
+                    digest = client.manifest_digest(repository, tag)
+                    if digest is not None:
+                        client.delete_manifest(repository, digest)
+                        gone.append(digest)
+            removals.append(Removal(repository, subject, [], gone))
+    return removals
 
 
 class SharedManifestError(RegistryError):

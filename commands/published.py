@@ -1,0 +1,122 @@
+"""Publishing an image's squashfs beside it in the registry, and verifying what is published.
+
+``publish_squashfs`` (``imgpipe push --squashfs``, ``imgpipe ci --squashfs``) converts the
+pushed digest in each of enroot.publish_compressions, pushes the file as an artifact of the
+manifest, and records its digest in imgpipe.lock: the pin a fetched squashfs must equal.
+``verify`` converts here and compares byte for byte with every published one; a match is
+recorded as a pin, a mismatch refused naming both digests.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+
+from imgpipe.base.config import Settings
+from imgpipe.base.files import file_sha256, owner_tag
+from imgpipe.base.progress import Progress
+from imgpipe.commands.pushed import catalog_image, require_pushed
+from imgpipe.commands.wiring import registry_client, squash_options, storage
+from imgpipe.enroot.convert import convert, convert_privately, resolve_digest
+from imgpipe.enroot.errors import VerifyError
+from imgpipe.enroot.published import PublishedSquashfs, described, find_published, publish
+from imgpipe.pipeline.lock import lock_path, updating_lock
+from imgpipe.registry.reference import Reference
+
+
+@dataclass(frozen=True)
+class Published:
+    image: str
+    flavor: str
+    squashfs: PublishedSquashfs
+    pushed: bool  # False: the registry had this very file published already
+
+
+def _record_pin(settings: Settings, name: str, flavor: str, image_digest: str,
+                compression: str, squashfs_digest: str) -> None:
+    with updating_lock(lock_path(settings.root)) as lock:
+        entry = lock.entry(name, flavor)
+        if entry is not None and entry.digest == image_digest:
+            entry.squashfs_digests[compression] = squashfs_digest
+
+
+def publish_squashfs(settings: Settings, name: str, flavor: str, progress: Progress
+                     ) -> list[Published]:
+    """Convert the pushed ``name``/``flavor`` and publish its squashfs in every compression
+    the site asks for (enroot.publish_compressions), pinning each in imgpipe.lock."""
+    entry = require_pushed(settings, name, flavor, "to publish its squashfs", progress)
+    client, cache = registry_client(settings), storage(settings)
+    ref = entry.reference
+    done = []
+    for compression in settings.enroot.publish_compressions:
+        conversion = convert(client, cache, ref, squash_options(settings, None, compression),
+                             say=progress.step, connections=settings.enroot.max_connections,
+                             count=progress.transfer)
+        progress.done()
+        blob = "sha256:" + file_sha256(conversion.path)
+        if conversion.prebuilt is not None and conversion.prebuilt != blob:
+            raise VerifyError(f"the cached squashfs of {ref} is not the one fetched")
+        manifest = client.manifest(ref.repository, entry.digest)
+        progress.step(f"publish squashfs {blob[:19]} ({compression}) beside "
+                      f"{ref.repository}@{entry.digest[:19]}")
+        published, pushed = publish(
+            client, ref.repository, manifest, conversion.path, blob, compression,
+            len(described(conversion.path)),
+            progress.transfer(f"push squashfs {ref.repository}", conversion.size))
+        progress.done()
+        _record_pin(settings, name, flavor, entry.digest, compression, blob)
+        done.append(Published(name, flavor, published, pushed))
+    return done
+
+
+@dataclass(frozen=True)
+class Verified:
+    reference: str
+    digest: str
+    compression: str
+    local: str  # the local conversion's sha256
+    published: list[str]
+    seconds: float
+
+
+def verify(settings: Settings, target: str, flavor: str, compression: str | None,
+           progress: Progress) -> Verified:
+    """Convert ``target`` here (never from a published file) and compare it byte for byte
+    with each squashfs published beside it in that compression."""
+    image = catalog_image(settings, target) if "/" not in target and ":" not in target \
+        else None
+    if image is not None:
+        ref = require_pushed(settings, image.name, flavor, "to verify", progress).reference
+        options = squash_options(settings, image.spec.squashfs_compression, compression)
+    else:
+        ref = Reference.parse(target, default_registry=settings.registry.address)
+        options = squash_options(settings, None, compression)
+    client, cache = registry_client(settings), storage(settings)
+    digest = resolve_digest(client, ref)
+    name = f"{ref.repository}@{digest}"
+    published = find_published(client, ref.repository, digest, options.compression)
+    if not published:
+        raise VerifyError(f"{name} has no published squashfs ({options.compression})",
+                          hint="publish one: imgpipe push --squashfs")
+    cache.prepare()
+    work = cache.tmp / f"verify-{digest.split(':')[1][:16]}{owner_tag()}"  # swept if orphaned
+    work.mkdir(parents=True)
+    try:
+        local = convert_privately(client, cache, ref.with_digest(digest), options,
+                                  work / "local.sqsh", say=progress.step,
+                                  connections=settings.enroot.max_connections,
+                                  count=progress.transfer)
+        progress.done()
+        local_digest = "sha256:" + file_sha256(local.path)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    for candidate in published:
+        if candidate.blob != local_digest:
+            raise VerifyError(f"published squashfs {candidate.blob} of {name} differs from "
+                              f"a local conversion ({local_digest}): refused",
+                              hint="remove it (imgpipe registry rm) and publish again with "
+                              "imgpipe push --squashfs")
+    if image is not None:
+        _record_pin(settings, image.name, flavor, digest, options.compression, local_digest)
+    return Verified(str(ref), digest, options.compression, local_digest,
+                    [p.blob for p in published], local.seconds)

@@ -1,0 +1,111 @@
+"""Whether a published squashfs may stand in for a conversion, and fetching it when so.
+
+A job pinned to ``repo@sha256:X`` runs exactly the layers of X because its squashfs is
+derived from verified layers.  A squashfs fetched from the registry is derived from
+nothing: anyone who may push could attach another one to X.  So one is used only when
+
+- its blob digest equals a pin the publisher recorded (imgpipe.lock, the recipes'
+  ``IMGPIPE_SQUASHFS_PINS``, or ``imgpipe verify`` after converting it here), or
+- there is no pin and the site opted in (``enroot.prebuilt_unpinned``): then the
+  image's layers are read too, and a set-id file they do not have refuses it;
+
+and in both cases a fetched file holding a device node is refused.  Every decision is
+said in one line; anything refused is converted as before.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from imgpipe.enroot.errors import ConvertError
+from imgpipe.enroot.flatten import MergedView
+from imgpipe.enroot.published import PublishedSquashfs, fetch, find_published, layers_setuid
+from imgpipe.enroot.storage import Storage
+from imgpipe.registry.client import RegistryClient
+from imgpipe.registry.errors import DigestMismatchError
+
+PINS_ENV = "IMGPIPE_SQUASHFS_PINS"
+
+
+@dataclass(frozen=True)
+class Prebuilt:
+    """What a conversion may fetch instead of converting."""
+
+    use: bool = True  # False: --no-prebuilt, enroot.prebuilt: false
+    pins: frozenset[str] = field(default_factory=frozenset)  # trusted squashfs digests
+    unpinned: bool = False  # enroot.prebuilt_unpinned: the site trusts its registry
+
+    def pinned_for(self, image_digest: str,
+                   environ: Mapping[str, str] = os.environ) -> Prebuilt:
+        """This policy with the environment's pins of ``image_digest`` added."""
+        extra = pins_in(environ.get(PINS_ENV, ""), image_digest)
+        return Prebuilt(self.use, self.pins | extra, self.unpinned) if extra else self
+
+
+def pins_in(text: str, image_digest: str) -> frozenset[str]:
+    """The squashfs digests ``IMAGE=SQUASHFS`` pairs (blank-separated) pin for an image."""
+    pins = set()
+    for pair in text.split():
+        image, _, squashfs = pair.partition("=")
+        if image == image_digest and squashfs.startswith("sha256:") and len(squashfs) == 71:
+            pins.add(squashfs)
+    return frozenset(pins)
+
+
+def pins_text(pairs: Mapping[str, str]) -> str:
+    """``{image digest: squashfs digest}`` as the value of IMGPIPE_SQUASHFS_PINS."""
+    return " ".join(f"{image}={squashfs}" for image, squashfs in sorted(pairs.items()))
+
+
+@dataclass(frozen=True)
+class Fetched:
+    published: PublishedSquashfs
+    received: int
+    entries: int
+
+
+def _choose(candidates: list[PublishedSquashfs], policy: Prebuilt, name: str,
+            say: Callable[[str], None]) -> PublishedSquashfs | None:
+    if policy.pins:
+        for candidate in reversed(candidates):
+            if candidate.blob in policy.pins:
+                return candidate
+        say(f"refused published squashfs {', '.join(c.blob for c in candidates)} of {name}: "
+            f"pinned to {', '.join(sorted(policy.pins))}; converting")
+        return None
+    if policy.unpinned:
+        chosen = candidates[-1]
+        say(f"published squashfs {chosen.blob} of {name} is not pinned; using it as "
+            "enroot.prebuilt_unpinned allows, after checking it against the layers")
+        return chosen
+    say(f"published squashfs {candidates[-1].blob[:19]} of {name} is not pinned: converting "
+        "(pin it with `imgpipe verify`, or set enroot.prebuilt_unpinned)")
+    return None
+
+
+def try_prebuilt(client: RegistryClient, storage: Storage, repository: str, digest: str,
+                 compression: str, final: Path, policy: Prebuilt,
+                 layers_view: Callable[[], MergedView], say: Callable[[str], None],
+                 count: Callable[[int | None], Callable[[int], None]]) -> Fetched | None:
+    """Fetch the published squashfs of ``repository@digest`` into ``final`` when the
+    policy trusts one (call with the digest's lock held); None: convert."""
+    name = f"{repository}@{digest[:19]}"
+    candidates = find_published(client, repository, digest, compression)
+    if not candidates:
+        say(f"no published squashfs of {name} ({compression}): converting")
+        return None
+    chosen = _choose(candidates, policy, name, say)
+    if chosen is None:
+        return None
+    allowed = None if chosen.blob in policy.pins else layers_setuid(layers_view())
+    say(f"fetch published squashfs {chosen.blob[:19]} ({chosen.size / 1e6:.1f} MB)")
+    try:
+        received, entries = fetch(client, storage, chosen, final, allowed, count(chosen.size))
+    except (DigestMismatchError, ConvertError) as exc:
+        say(f"refused published squashfs {chosen.blob[:19]}: {exc}; converting")
+        return None
+    say(f"fetched published squashfs {chosen.blob} of {name}")
+    return Fetched(chosen, received, entries)

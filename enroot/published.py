@@ -1,0 +1,215 @@
+"""A squashfs published beside its image: an OCI artifact whose ``subject`` is the image.
+
+Conversion is deterministic (same manifest digest, same compression and FORMAT: the same
+bytes), so a squashfs made once (in CI, by ``imgpipe push --squashfs``) can be fetched by
+every cluster and node as one verified blob.  The artifact is an OCI image manifest of
+``artifactType`` ARTIFACT_TYPE with the empty config, one layer (the squashfs file) and
+annotations saying what it is; it is listed in the image's referrers (registry.referrers).
+
+What a fetch may trust is decided by the caller (enroot.prebuilt): this module finds,
+publishes, fetches and checks.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+from imgpipe.base import process
+from imgpipe.base.files import atomic_path
+from imgpipe.enroot.errors import ConvertError
+from imgpipe.enroot.flatten import MergedView
+from imgpipe.enroot.storage import FORMAT, Storage, digest_hex
+from imgpipe.registry.client import Manifest, RegistryClient
+from imgpipe.registry.errors import RegistryError
+from imgpipe.registry.mediatypes import OCI_MANIFEST
+from imgpipe.registry.referrers import attach, referrers, referrers_tag
+from imgpipe.registry.transfer import fetch_resumable, push_blob, push_bytes, put_manifest
+
+ARTIFACT_TYPE = "application/vnd.imgpipe.squashfs.v1"
+SQUASHFS_MEDIA_TYPE = "application/vnd.imgpipe.squashfs.v1.squashfs"
+EMPTY_MEDIA_TYPE = "application/vnd.oci.empty.v1+json"
+EMPTY_JSON = b"{}"
+COMPRESSION = "org.imgpipe.squashfs.compression"
+FORMAT_KEY = "org.imgpipe.squashfs.format"
+SIZE = "org.imgpipe.squashfs.size"
+ENTRIES = "org.imgpipe.squashfs.entries"
+VERSION = "org.imgpipe.version"
+CREATED = "org.opencontainers.image.created"
+TITLE = "org.opencontainers.image.title"
+
+# rdsquashfs --describe: "KIND PATH MODE UID GID ...", PATH quoted when it holds blanks
+DESCRIBED = re.compile(r'^(\w+) ("(?:[^"\\]|\\.)*"|\S+) ([0-7]+) ')
+
+
+@dataclass(frozen=True)
+class PublishedSquashfs:
+    """One squashfs artifact of an image manifest."""
+
+    repository: str
+    subject: str  # the image manifest's digest
+    artifact: str  # the artifact manifest's digest
+    blob: str  # the squashfs file's digest: what pins name
+    size: int
+    compression: str
+    format: str
+    entries: int = 0
+    version: str = ""
+
+    @property
+    def tag(self) -> str:
+        """The artifact's own tag (so --delete-untagged keeps it while its subject stays)."""
+        return f"{referrers_tag(self.subject)}.{self.compression}.sqsh"
+
+
+def imgpipe_version() -> str:
+    try:
+        return metadata.version("imgpipe")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _from_manifest(repository: str, subject: str, manifest: Manifest
+                   ) -> PublishedSquashfs | None:
+    body = manifest.body
+    layers = body.get("layers") or []
+    notes = body.get("annotations") or {}
+    if (body.get("artifactType") != ARTIFACT_TYPE or len(layers) != 1
+            or (body.get("subject") or {}).get("digest") != subject
+            or layers[0].get("mediaType") != SQUASHFS_MEDIA_TYPE):
+        return None
+    try:
+        return PublishedSquashfs(repository, subject, manifest.digest, str(layers[0]["digest"]),
+                                 int(layers[0]["size"]), str(notes.get(COMPRESSION, "")),
+                                 str(notes.get(FORMAT_KEY, "")), int(notes.get(ENTRIES, 0)),
+                                 str(notes.get(VERSION, "")))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def find_published(client: RegistryClient, repository: str, subject: str,
+                   compression: str | None = None) -> list[PublishedSquashfs]:
+    """The squashfs artifacts of ``subject`` (of this FORMAT, and ``compression`` if given),
+    newest listed last."""
+    found = []
+    for descriptor in referrers(client, repository, subject, ARTIFACT_TYPE):
+        try:
+            manifest = client.manifest(repository, descriptor["digest"])
+        except RegistryError as exc:
+            if exc.status == 404:  # listed, but deleted since
+                continue
+            raise
+        published = _from_manifest(repository, subject, manifest)
+        if published is None or published.format != FORMAT:
+            continue
+        if compression is None or published.compression == compression:
+            found.append(published)
+    return found
+
+
+def publish(client: RegistryClient, repository: str, subject: Manifest, squashfs: Path,
+            blob: str, compression: str, entries: int,
+            progress: Callable[[int], None] | None = None) -> tuple[PublishedSquashfs, bool]:
+    """Push ``squashfs`` (whose digest is ``blob``) as an artifact of ``subject``; returns it
+    and whether anything was pushed (False: the same file was published already)."""
+    for existing in find_published(client, repository, subject.digest, compression):
+        if existing.blob == blob:
+            return existing, False
+    size = squashfs.stat().st_size
+    push_blob(client, repository, squashfs, blob, progress)
+    empty = push_bytes(client, repository, EMPTY_JSON)
+    annotations = {COMPRESSION: compression, FORMAT_KEY: FORMAT, SIZE: str(size),
+                   ENTRIES: str(entries), VERSION: imgpipe_version(),
+                   CREATED: dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat()}
+    body = {
+        "schemaVersion": 2, "mediaType": OCI_MANIFEST, "artifactType": ARTIFACT_TYPE,
+        "config": {"mediaType": EMPTY_MEDIA_TYPE, "digest": empty, "size": len(EMPTY_JSON),
+                   "data": "e30="},
+        "layers": [{"mediaType": SQUASHFS_MEDIA_TYPE, "digest": blob, "size": size,
+                    "annotations": {TITLE: squashfs.name}}],
+        "subject": {"mediaType": subject.media_type, "digest": subject.digest,
+                    "size": len(subject.raw)},
+        "annotations": annotations,
+    }
+    raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    published = PublishedSquashfs(repository, subject.digest, "", blob, size, compression,
+                                  FORMAT, entries, annotations[VERSION])
+    digest = put_manifest(client, repository, published.tag, raw, OCI_MANIFEST)
+    attach(client, repository, subject.digest,
+           {"mediaType": OCI_MANIFEST, "digest": digest, "size": len(raw),
+            "artifactType": ARTIFACT_TYPE, "annotations": annotations})
+    return PublishedSquashfs(repository, subject.digest, digest, blob, size, compression,
+                             FORMAT, entries, annotations[VERSION]), True
+
+
+def partial_path(storage: Storage, blob: str) -> Path:
+    """Where this user's download of ``blob`` collects (kept for a resume; never swept)."""
+    return storage.tmp / f"sqsh-{digest_hex(blob)}.u{os.getuid()}.part"
+
+
+def described(path: Path) -> list[tuple[str, str, int]]:
+    """(kind, path, mode) of every entry of a squashfs file, read from its inode table."""
+    listing = process.run(["rdsquashfs", "--describe", str(path)], timeout=600,
+                          what="rdsquashfs --describe").stdout
+    entries = []
+    for line in listing.splitlines():
+        match = DESCRIBED.match(line)
+        if match is None:
+            raise ConvertError(f"{path}: rdsquashfs described an entry imgpipe cannot read: "
+                               f"{line[:120]!r}")
+        name = match[2]
+        if name.startswith('"'):
+            name = json.loads(name)
+        entries.append((match[1], name, int(match[3], 8)))
+    return entries
+
+
+def check_contents(path: Path, allowed_setuid: set[str] | None) -> int:
+    """Refuse a fetched squashfs holding what no conversion makes: device files, sockets,
+    and (when ``allowed_setuid`` is given: the image's layers' own) setuid or setgid files
+    the layers did not have.  Returns the entry count."""
+    entries = described(path)
+    for kind, name, mode in entries:
+        if kind not in ("dir", "file", "slink", "pipe"):
+            raise ConvertError(f"the published squashfs holds {kind} /{name}, which no "
+                               "conversion makes: refused")
+        if (allowed_setuid is not None and kind == "file" and mode & 0o6000
+                and name not in allowed_setuid):
+            raise ConvertError(f"the published squashfs has a set-id file /{name} "
+                               f"(mode {mode:o}) that the image's layers do not have: refused")
+    return len(entries)
+
+
+def layers_setuid(view: MergedView) -> set[str]:
+    """Paths of the merged layers' setuid/setgid files (what a squashfs of them may have)."""
+    setuid = set()
+    for name, node in view.nodes.items():
+        where = node.data or node.entry
+        if node.kind in ("file", "hardlink") and where is not None:
+            if view.members[where[0]][where[1]].mode & 0o6000:
+                setuid.add(name)
+    return setuid
+
+
+def fetch(client: RegistryClient, storage: Storage, published: PublishedSquashfs, final: Path,
+          allowed_setuid: set[str] | None,
+          progress: Callable[[int], None] | None = None) -> tuple[int, int]:
+    """Stream the artifact's squashfs into the cache under ``final`` (call with the digest's
+    lock held): resumed from this user's partial download, digest verified, contents
+    checked, published atomically.  Returns (bytes received, entries)."""
+    partial = partial_path(storage, published.blob)
+    received = fetch_resumable(client, published.repository, published.blob, partial,
+                               progress)
+    try:
+        entries = check_contents(partial, allowed_setuid)
+        with atomic_path(final, mode=0o644) as tmp:
+            os.replace(partial, tmp)
+    finally:
+        partial.unlink(missing_ok=True)
+    return received, entries

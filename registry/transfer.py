@@ -1,0 +1,144 @@
+"""Writing to a registry (blobs in chunks, manifests) and reading a large blob resumably.
+
+Uploads follow the Registry API's chunked flow: ``POST …/blobs/uploads/`` opens a
+session, each ``PATCH`` sends the next CHUNK bytes (a ``Content-Range``), and the
+closing ``PUT …?digest=`` makes the registry check the whole blob against its digest.
+A blob the registry holds already is not sent again (a HEAD first).
+
+Reading: ``fetch_resumable`` keeps what it received in a partial file of this user
+(created exclusively, never through a link); a run broken off goes on from its length
+with a ``Range`` request, hashing the kept bytes first; a whole blob that does not hash
+to its digest is emptied, and one that does is left for the caller to check and publish.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from urllib.parse import urljoin
+
+import requests
+
+from imgpipe.registry.client import RegistryClient, sha256_digest
+from imgpipe.registry.errors import DigestMismatchError, RegistryError
+
+UPLOAD_CHUNK = 64 << 20  # bytes per PATCH: what one request holds in memory
+READ_CHUNK = 1 << 20
+
+
+def _location(client: RegistryClient, response: requests.Response) -> str:
+    location = response.headers.get("Location")
+    if not location:
+        raise RegistryError(f"the registry at {client.address} opened an upload without a "
+                            "Location header")
+    return urljoin(client.base_url + "/", location)
+
+
+def push_blob(client: RegistryClient, repository: str, path: Path, digest: str,
+              progress: Callable[[int], None] | None = None) -> bool:
+    """Upload the file ``path`` as blob ``digest``; False when the registry had it."""
+    if client.blob_exists(repository, digest):
+        return False
+    response = client.request("POST", f"/v2/{repository}/blobs/uploads/", ok={202})
+    location = _location(client, response)
+    sent = 0
+    with open(path, "rb") as source:
+        while chunk := source.read(UPLOAD_CHUNK):
+            response = client.request(
+                "PATCH", location, ok={202}, data=chunk,
+                headers={"Content-Type": "application/octet-stream",
+                         "Content-Range": f"{sent}-{sent + len(chunk) - 1}",
+                         "Content-Length": str(len(chunk))})
+            location = _location(client, response)
+            sent += len(chunk)
+            if progress:
+                progress(len(chunk))
+    separator = "&" if "?" in location else "?"
+    client.request("PUT", f"{location}{separator}digest={digest}", ok={201},
+                   headers={"Content-Length": "0"})
+    return True
+
+
+def push_bytes(client: RegistryClient, repository: str, data: bytes) -> str:
+    """Upload a small blob in one request; returns its digest."""
+    digest = sha256_digest(data)
+    if not client.blob_exists(repository, digest):
+        response = client.request("POST", f"/v2/{repository}/blobs/uploads/", ok={202})
+        location = _location(client, response)
+        separator = "&" if "?" in location else "?"
+        client.request("PUT", f"{location}{separator}digest={digest}", ok={201}, data=data,
+                       headers={"Content-Type": "application/octet-stream"})
+    return digest
+
+
+def put_manifest(client: RegistryClient, repository: str, reference: str, raw: bytes,
+                 media_type: str) -> str:
+    """Store a manifest (or index) under ``reference`` (a tag or its digest); its digest."""
+    digest = sha256_digest(raw)
+    client.request("PUT", f"/v2/{repository}/manifests/{reference}", ok={201}, data=raw,
+                   headers={"Content-Type": media_type})
+    return digest
+
+
+def _own_partial(partial: Path) -> int:
+    """Open (or create) this user's partial file without following a link; its fd."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(partial, flags | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        fd = os.open(partial, flags)
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            os.close(fd)
+            raise RegistryError(f"{partial} is not this user's partial download",
+                                hint=f"remove {partial}") from None
+    return fd
+
+
+def fetch_resumable(client: RegistryClient, repository: str, digest: str, partial: Path,
+                    progress: Callable[[int], None] | None = None) -> int:
+    """Stream blob ``digest`` into ``partial`` (resumed when it holds a start) and verify
+    it; the caller publishes the file.  Returns the bytes received by this call."""
+    algorithm, _, expected = digest.partition(":")
+    if algorithm != "sha256":
+        raise RegistryError(f"unsupported digest algorithm in {digest!r}")
+    url_path = f"/v2/{repository}/blobs/{digest}"
+    fd = _own_partial(partial)
+    received = 0
+    with os.fdopen(fd, "r+b") as out:
+        hasher = hashlib.sha256()
+        while block := out.read(READ_CHUNK):
+            hasher.update(block)
+        kept = out.tell()
+        headers = {"Range": f"bytes={kept}-"} if kept else {}
+        response = client.request("GET", url_path, stream=True, headers=headers,
+                                  ok={200, 206, 416})
+        try:
+            if response.status_code == 200 and kept:  # no ranges served: start again
+                out.seek(0)
+                out.truncate()
+                hasher = hashlib.sha256()
+            if response.status_code != 416:
+                for chunk in response.iter_content(READ_CHUNK):
+                    hasher.update(chunk)
+                    out.write(chunk)
+                    received += len(chunk)
+                    if progress:
+                        progress(len(chunk))
+        except requests.RequestException as exc:
+            raise RegistryError(f"download of {digest} from {client.address} broke off after "
+                                f"{kept + received} bytes (run again to resume)",
+                                method="GET", url=url_path) from exc
+        finally:
+            response.close()
+        out.flush()
+        os.fsync(out.fileno())
+        if hasher.hexdigest() != expected:
+            out.truncate(0)
+            raise DigestMismatchError(
+                f"blob {digest} of {repository} failed verification: its bytes hash to "
+                f"sha256:{hasher.hexdigest()}", method="GET", url=url_path)
+    return received
