@@ -12,7 +12,8 @@ from imgpipe.base.progress import Progress
 from imgpipe.commands.pushed import catalog_image, find_pushed, require_pushed
 from imgpipe.commands.wiring import registry_client, registry_credentials
 from imgpipe.enroot.nodeconfig import nodes_enroot, takes_digests
-from imgpipe.pipeline.lock import LockEntry
+from imgpipe.enroot.prebuilt import PINS_ENV, pins_text
+from imgpipe.pipeline.lock import LockEntry, lock_path, read_lock
 from imgpipe.recipes.profiles import Profile, load_profile
 from imgpipe.recipes.render import Bundle, RecipeInputs, render_bundle
 from imgpipe.recipes.runtimes import Runtime
@@ -46,6 +47,22 @@ def pin(settings: Settings, image: str, flavor: str, required: bool = True,
     return entry.squashfs_file() or entry.reference
 
 
+def squashfs_pins(settings: Settings, images: list[tuple[str, str]], chosen: str = ""
+                  ) -> dict[str, str]:
+    """{image digest: squashfs digest} of the published squashfs files imgpipe.lock pins for
+    ``images`` (name, flavor) and for whatever lock entry ``chosen`` (an --image) names by
+    digest, in the compression the nodes' importer asks for."""
+    lock = read_lock(lock_path(settings.root))
+    compression = settings.enroot.default_compression
+    pins = {}
+    for name, flavors in lock.images.items():
+        for flavor, entry in flavors.items():
+            wanted = (name, flavor) in images or (chosen and entry.digest in chosen)
+            if wanted and compression in entry.squashfs_digests:
+                pins[entry.digest] = entry.squashfs_digests[compression]
+    return pins
+
+
 def refuse_loopback(pinned: Reference | SquashfsPath | str, profile_name: str) -> None:
     """Compute nodes pull from the registry themselves: 127.0.0.1 is each node's own."""
     if isinstance(pinned, SquashfsPath) or profile_name == "local":
@@ -75,6 +92,10 @@ def render_recipes(settings: Settings, profile: Profile, nodes: int, runtime: Ru
     flavor = flavor or settings.default_flavor
     pinned = image or pin(settings, "bert", flavor, progress=progress) or ""  # never empty
     refuse_loopback(pinned, profile.name)
+    pins = squashfs_pins(settings, [("bert", flavor)]
+                         + ([("nccl-tests", "ngc")] if profile.is_gpu else []), image or "")
+    if pins:  # the importer on the nodes fetches these instead of converting
+        env = {PINS_ENV: pins_text(pins), **env}
     site = settings.recipes
     enroot_version, learnt = nodes_enroot(settings)
     seen = (f"{'.'.join(map(str, enroot_version))}, from {learnt}" if enroot_version

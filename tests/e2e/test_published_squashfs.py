@@ -1,0 +1,248 @@
+"""Convert once, run anywhere: CI publishes the squashfs beside its image, nodes fetch it.
+
+Clone A runs what CI runs (`imgpipe ci --squashfs`): build, self-test, push, convert once,
+publish the squashfs as an OCI artifact whose subject is the image, and pin its digest in
+imgpipe.lock and the rendered recipes.  On the sandbox cluster (the head's registry serves
+the same storage, read-only) a non-root user's job on another host with an empty cache gets
+the image through the Pyxis importer without converting anything, and runs it.  A second
+clone verifies the published file byte for byte and from then on fetches it too.  Someone
+who replaces the artifact is refused by every pinned reader; `imgpipe verify` names both
+digests.  And the registry's lifecycle commands treat the artifact as part of its image.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+
+from imgpipe.enroot.prebuilt import PINS_ENV
+from imgpipe.enroot.published import ARTIFACT_TYPE, find_published, publish
+from imgpipe.registry.client import RegistryClient
+from imgpipe.registry.referrers import referrers, referrers_tag
+from tests import services
+from tests.cluster import USERS, shared_folder, system_imgpipe
+from tests.conftest import CliRun
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+ALICE, BOB = USERS
+HELLO = {"name": "hello", "repository": "published/hello", "version": "1.0.0",
+         "flavors": {"cpu": {"base": services.BASE_IMAGE}}, "selftest": ["cat", "/hello.txt"]}
+
+
+def _git(*args: str, cwd: Path) -> None:
+    subprocess.run(["git", "-c", "user.email=ci@example.invalid", "-c", "user.name=ci", *args],
+                   cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(1 << 20):
+            digest.update(block)
+    return "sha256:" + digest.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def origin(tmp_path_factory: pytest.TempPathFactory, registry_server) -> Path:
+    repo = tmp_path_factory.mktemp("published-origin")
+    (repo / "images" / "hello").mkdir(parents=True)
+    (repo / "images" / "hello" / "Dockerfile").write_text(
+        "ARG BASE_IMAGE\nFROM ${BASE_IMAGE}\nCOPY hello.txt /hello.txt\n")
+    (repo / "images" / "hello" / "hello.txt").write_text("hello from CI\n")
+    (repo / "images" / "hello" / "image.yaml").write_text(json.dumps(HELLO))
+    (repo / "imgpipe.yaml").write_text(json.dumps({
+        "registry": {"port": registry_server.port}, "default_flavor": "cpu"}))
+    shutil.copy(REPO / ".gitignore", repo / ".gitignore")
+    _git("init", "-q", "-b", "main", cwd=repo)
+    _git("add", "-A", cwd=repo)
+    _git("commit", "-qm", "images", cwd=repo)
+    return repo
+
+
+@pytest.fixture(scope="module")
+def published(origin: Path, tmp_path_factory: pytest.TempPathFactory, base_image: str) -> dict:
+    """Clone A runs `imgpipe ci --flavor cpu --squashfs` as the workflow does."""
+    folder = tmp_path_factory.mktemp("ci-runner") / "a"
+    _git("clone", "-q", str(origin), str(folder), cwd=origin.parent)
+    imgpipe = str(Path(sys.executable).parent / "imgpipe")
+    done = subprocess.run([imgpipe, "ci", "--flavor", "cpu", "--squashfs"], cwd=folder,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr
+    entry = json.loads((folder / "imgpipe.lock").read_text())["images"]["hello"]["cpu"]
+    pin = entry["squashfs_digests"]["zstd"]
+    assert f"hello/cpu: squashfs {pin} (zstd)" in done.stdout
+    return {"folder": folder, "entry": entry, "pin": pin, "digest": entry["digest"]}
+
+
+def _node_config(name: str) -> tuple[Path, Path]:
+    """An empty squashfs folder shared by every user (1777), and the nodes' imgpipe.yaml."""
+    shared = shared_folder(f"imgpipe-{name}-")
+    squashfs = shared / "squashfs"
+    squashfs.mkdir()
+    os.chmod(squashfs, 0o1777)
+    config = shared / "imgpipe.yaml"
+    config.write_text(json.dumps({"registry": {"host": "head", "port": 5000},
+                                  "outputs": {"squashfs_dir": str(squashfs)}}))
+    os.chmod(config, 0o644)
+    return squashfs, config
+
+
+def _job(cluster, user: str, node: str, config: Path, digest: str, pins: str | None,
+         program: str = "cat /hello.txt") -> subprocess.CompletedProcess[str]:
+    """A one-node job as ``user``: the importer's get (what Pyxis runs first), then the
+    program inside the squashfs it printed (ch-run mounts it as that user)."""
+    importer = system_imgpipe(REPO) / "imgpipe-pyxis-importer"
+    uri = f"docker://head:5000#published/hello@{digest}"
+    script = (f'squashfs=$({importer} get {uri}) || exit 1; echo "got $squashfs"; '
+              f'ch-run "$squashfs" -- /bin/sh -c "{program}"')
+    env = {"IMGPIPE_CONFIG": str(config), **({PINS_ENV: pins} if pins else {})}
+    return cluster.run(["srun", "-w", node, "-N1", "-n1", "/bin/sh", "-c", script], user=user,
+                       env=env, timeout=300, cwd="/tmp")
+
+
+def _got(done: subprocess.CompletedProcess[str]) -> Path:
+    return Path(next(line for line in done.stdout.splitlines()
+                     if line.startswith("got "))[4:])
+
+
+def test_a_node_runs_the_published_squashfs_without_converting(cluster, published: dict,
+                                                               capsys) -> None:
+    clone = CliRun(published["folder"], capsys)
+    code, out, err = clone("recipes", "render", "--profile", "local", "--nodes", "1", "-o",
+                           "rendered", "--image", f"{published['entry']['repository']}@"
+                           f"{published['digest']}")
+    assert code == 0, out + err
+    pins = f"{published['digest']}={published['pin']}"
+    assert f"export {PINS_ENV}={pins}\n" in (clone.folder / "rendered" / "run.sub").read_text()
+    code, out, err = clone("registry", "ls")
+    assert code == 0 and "published/hello  1.0.0" in out, out + err
+    assert "[squashfs published: 1.0.0 (zstd)" in out, out
+
+    squashfs, config = _node_config("published")
+    done = _job(cluster, ALICE, "node2", config, published["digest"], pins)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "hello from CI" in done.stdout
+    assert f"fetched published squashfs {published['pin']}" in done.stderr, done.stderr
+    assert "squash with" not in done.stderr and "merge" not in done.stderr, done.stderr
+    fetched = _got(done)
+    assert fetched.parent == squashfs and _sha256(fetched) == published["pin"]
+    assert fetched.stat().st_mode & 0o777 == 0o644
+    assert not list((squashfs / ".imgpipe" / "tmp").glob("*.part"))  # nothing half-written
+
+    # No pin, no site opt-in: the published file is not trusted; an empty cache on another
+    # host converts, and the bytes equal the published ones (conversion is deterministic).
+    squashfs2, config2 = _node_config("unpinned")
+    done = _job(cluster, BOB, "node1", config2, published["digest"], None)
+    assert done.returncode == 0 and "hello from CI" in done.stdout, done.stderr
+    assert "is not pinned: converting" in done.stderr and "squash with" in done.stderr
+    assert _sha256(_got(done)) == published["pin"]
+
+
+def test_a_second_clone_verifies_then_fetches(origin: Path, published: dict, tmp_path: Path,
+                                              capsys) -> None:
+    _git("clone", "-q", str(origin), str(tmp_path / "b"), cwd=origin.parent)
+    second = CliRun(tmp_path / "b", capsys)
+    code, out, err = second("verify", "hello")
+    assert code == 0, out + err
+    assert f"published squashfs {published['pin']} (zstd) equals a local conversion" in out
+    lock = json.loads((second.folder / "imgpipe.lock").read_text())["images"]["hello"]["cpu"]
+    assert lock["squashfs_digests"] == {"zstd": published["pin"]}
+    assert not list((second.folder / "build" / "squashfs").glob("*.sqsh"))  # private compare
+    code, out, err = second("convert", "hello")
+    assert code == 0, out + err
+    assert f"fetched published squashfs {published['pin'][:19]}" in out, out + err
+    assert "squash with" not in out + err
+    lock = json.loads((second.folder / "imgpipe.lock").read_text())["images"]["hello"]["cpu"]
+    assert lock["squashfs_sha256"] == published["pin"]
+    code, out, err = second("convert", "hello", "--no-prebuilt", "--compression", "lz4")
+    assert code == 0 and "squash with lz4" in err, out + err
+
+
+def _other_squashfs(folder: Path) -> Path:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        info = tarfile.TarInfo("hello.txt")
+        payload = b"hello from someone else\n"
+        info.size = len(payload)
+        tar.addfile(info, io.BytesIO(payload))
+    out = folder / "planted.sqsh"
+    subprocess.run(["tar2sqfs", "--quiet", "--compressor", "zstd", str(out)],
+                   input=buffer.getvalue(), check=True, capture_output=True, timeout=60)
+    return out
+
+
+def test_a_replaced_artifact_is_refused(cluster, registry_server, published: dict,
+                                        tmp_path: Path, capsys) -> None:
+    """Anyone who may push attaches another squashfs to the digest and deletes the real one:
+    a pinned job converts instead (one line naming both digests), and verify fails."""
+    client = RegistryClient(f"http://{registry_server.address}")
+    digest = published["digest"]
+    [genuine] = find_published(client, "published/hello", digest, "zstd")
+    planted = _other_squashfs(tmp_path)
+    planted_digest = _sha256(planted)
+    publish(client, "published/hello", client.manifest("published/hello", digest), planted,
+            planted_digest, "zstd", 1)
+    client.delete_manifest("published/hello", genuine.artifact)
+    assert [p.blob for p in find_published(client, "published/hello", digest)] == [
+        planted_digest]
+
+    _, config = _node_config("tampered")
+    pins = f"{digest}={published['pin']}"
+    done = _job(cluster, BOB, "node1", config, digest, pins)
+    assert done.returncode == 0 and "hello from CI" in done.stdout, done.stderr
+    refusal = [line for line in done.stderr.splitlines() if "refused published" in line]
+    assert len(refusal) == 1 and planted_digest in refusal[0], done.stderr
+    assert published["pin"] in refusal[0] and "squash with" in done.stderr
+    assert _sha256(_got(done)) == published["pin"]
+
+    clone = CliRun(published["folder"], capsys)
+    code, out, err = clone("verify", "hello")
+    [error] = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 1 and "Traceback" not in err, out + err
+    assert planted_digest in error and published["pin"] in error and "refused" in error
+
+
+def test_registry_rm_and_gc_treat_the_squashfs_as_part_of_its_image(managed_registry
+                                                                    ) -> None:
+    cli = managed_registry
+    port = yaml.safe_load((cli.folder / "imgpipe.yaml").read_text())["registry"]["port"]
+    url = f"http://127.0.0.1:{port}"
+    session, client = services.plain_session(), RegistryClient(url)
+    squashfs = _other_squashfs(cli.folder)
+    kept, gone = [services.push_image(session, url, "life/img", tag,
+                                      [services.tar_layer({"f": tag.encode()})])
+                  for tag in ("kept", "gone")]
+    for digest in (kept, gone):
+        publish(client, "life/img", client.manifest("life/img", digest), squashfs,
+                _sha256(squashfs), "zstd", 1)
+    code, out, _ = cli("registry", "ls")
+    assert "[squashfs published: gone (zstd), kept (zstd)]" in out, out
+    # Deleted by another tool: its artifact has no subject any more and goes at gc.
+    client.delete_manifest("life/img", gone)
+    code, out, err = cli("registry", "gc")
+    assert code == 0, out + err
+    assert f"deleted 1 artifact(s) of life/img@{gone[:19]}, which is gone" in out
+    assert client.manifest_digest("life/img", referrers_tag(gone)) is None
+    [artifact] = referrers(client, "life/img", kept, ARTIFACT_TYPE)
+    assert artifact["artifactType"] == ARTIFACT_TYPE
+    blob = find_published(client, "life/img", kept)[0].blob
+    assert requests.get(f"{url}/v2/life/img/blobs/{blob}", timeout=30).status_code == 200
+    code, out, err = cli("registry", "rm", "life/img:kept")
+    assert code == 0, out + err
+    assert f"also removed 1 artifact(s) published beside it (its squashfs): " \
+           f"{artifact['digest'][:19]}" in out
+    assert client.manifest_digest("life/img", referrers_tag(kept)) is None
+    assert "sha256-" not in cli("registry", "tags", "life/img")[1]
