@@ -24,4 +24,4 @@ install -m 0644 "$IMGPIPE_SITE_CONFIG" imgpipe.yaml
   --force-reinstall --no-build-isolation .
 imgpipe="$IMGPIPE_VENV/bin/imgpipe"
 "$imgpipe" lock pull --flavor "$flavor"
-"$imgpipe" ci --flavor "$flavor"
+"$imgpipe" ci --flavor "$flavor" --squashfs  # convert once, publish beside the image
