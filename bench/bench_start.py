@@ -16,6 +16,12 @@ start (goal: <= 1.3x), how many tasks converted (goal: exactly one; the importer
 says "squash with"), and that every task ran.  Images: ``bert`` (pushed from the engine)
 and sizes made by bench/ngc_image.py (the same seed as bench_scale.py).
 
+With ``--published``, each image's squashfs is first converted once here and published
+beside it (``imgpipe push --squashfs`` does the same), and a fourth start comes first: one
+node converting (no pin, the published file not trusted), against which one node fetching
+the pinned published file is compared (goal at 15 GB: <= 0.2x); the eight-node starts then
+fetch it (goal: one fetch, within 1.3x of one node fetching).
+
 With ``--pyxis``, the jobs run ``srun --container-image=...`` through Pyxis (its plugstack
 naming imgpipe's importer, squashfuse mode) and Enroot, both built by hand outside this
 repository.  Enroot runs ``/etc/rc`` with ``/bin/sh``, so the generated image then gets one
@@ -23,6 +29,7 @@ more layer: this host's /bin/sh and the two libraries it loads.
 
     .venv/bin/python bench/bench_start.py                      # bert and 5G on 8 nodes
     .venv/bin/python bench/bench_start.py --images bert --nodes 4
+    .venv/bin/python bench/bench_start.py --images bert,5G,15G --published
 """
 
 from __future__ import annotations
@@ -170,14 +177,43 @@ def start(sandbox: Sandbox, work: Path, shape: str, nodes: int, env: dict[str, s
     last = max((float(p.read_text()) for p in ran), default=float("nan"))
     errors = {p.name: p.read_text() for p in sorted(results.glob("*.err"))}
     converted = sum("squash with" in text for text in errors.values())
+    fetched = sum("fetched published squashfs" in text for text in errors.values())
     failed = [name for name, text in errors.items() if "error" in text.lower()]
     failed += [f"{p.name}: {p.read_text().strip()[-300:]}" for p in sorted(results.glob("*.run"))
                if p.read_text().strip() and len(ran) < tasks]
     if failed:
         print(f"  {failed[0]}", flush=True)
     return {"shape": shape, "tasks": tasks, "ran": len(ran), "seconds": last - submitted,
-            "conversions": converted, "failed": failed,
+            "conversions": converted, "fetches": fetched, "failed": failed,
             "hosts": sorted({p.name.split(".")[2] for p in ran})}
+
+
+def publish_squashfs(registry: services.RegistryProcess, repo: str, digest: str
+                     ) -> tuple[str, float]:
+    """Convert ``repo@digest`` once in a private cache and publish the file beside it, as
+    `imgpipe push --squashfs` does; (the squashfs digest, seconds)."""
+    from imgpipe.base.files import file_sha256
+    from imgpipe.enroot.convert import convert
+    from imgpipe.enroot.published import publish
+    from imgpipe.enroot.storage import Storage
+    from imgpipe.registry.client import RegistryClient
+    from imgpipe.registry.reference import Reference
+
+    started = time.monotonic()
+    client = RegistryClient(f"http://{registry.address}")
+    cache = Path(tempfile.mkdtemp(prefix="bench-publisher-"))
+    try:
+        made = convert(client, Storage(cache), Reference.parse(f"{registry.address}/{repo}@"
+                                                                f"{digest}"))
+        blob = "sha256:" + file_sha256(made.path)
+        publish(client, repo, client.manifest(repo, digest), made.path, blob, "zstd", 0)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    return blob, time.monotonic() - started
+
+
+SHAPES = {"convert": "1 node, converting", "1 node": "1 node", "job": "{n}x1 job",
+          "jobs": "{n} jobs"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pyxis", type=Path, default=None, metavar="SPANK_PYXIS_SO",
                         help="run the tasks with Pyxis (this plugin, imgpipe's importer) and "
                              "Enroot instead of the importer and ch-run: both built by hand")
+    parser.add_argument("--published", action="store_true",
+                        help="publish each squashfs first; compare one node converting with "
+                             "nodes fetching the pinned published file")
     parser.add_argument("--enroot-bin", type=Path, default=Path("/opt/enroot/bin"),
                         help="where the enroot command is, with --pyxis")
     args = parser.parse_args(argv)
@@ -239,20 +278,41 @@ def main(argv: list[str] | None = None) -> int:
                 env = {**job_env, "IMGPIPE_CONFIG": str(config), "IMPORTER": str(importer),
                        "URI": f"docker://head:5000#{repo}@{digest}",
                        "PROGRAM": "/usr/bin/true" if name != "bert" else "/bin/true"}
-                first = None
-                for shape in ("1 node", "job", "jobs"):
+                shapes = ["1 node", "job", "jobs"]
+                pins: dict[str, str] = {}
+                extra: dict[str, object] = {}
+                if args.published:
+                    blob, seconds = publish_squashfs(registry, repo, digest)
+                    print(f"{name}: published {blob[:19]} (converted and pushed in "
+                          f"{seconds:.1f} s)", flush=True)
+                    pins = {"IMGPIPE_SQUASHFS_PINS": f"{digest}={blob}"}
+                    extra = {"squashfs": blob, "publish_seconds": seconds}
+                    shapes.insert(0, "convert")
+                first = converting = None
+                for shape in shapes:
                     empty_cache(cache)
-                    row = {"image": name, "digest": digest,
-                           **start(sandbox, work, shape, args.nodes, env, args.timeout,
-                                  args.pyxis is not None)}
-                    first = first or float(row["seconds"])  # type: ignore[arg-type]
-                    row["ratio"] = float(row["seconds"]) / first  # type: ignore[arg-type]
-                    label = {"1 node": "1 node", "job": f"{args.nodes}x1 job",
-                             "jobs": f"{args.nodes} jobs"}[shape]
-                    print(f"{name:6} {label:10} {row['seconds']:7.1f} s  "
-                          f"{row['ratio']:.2f}x  ran {row['ran']}/{row['tasks']} on "
+                    shape_env = {**env, **(pins if shape != "convert" else {})}
+                    row = {"image": name, "digest": digest, **extra,
+                           **start(sandbox, work, "1 node" if shape == "convert" else shape,
+                                   args.nodes, shape_env, args.timeout,
+                                   args.pyxis is not None)}
+                    row["shape"] = shape
+                    seconds = float(row["seconds"])  # type: ignore[arg-type]
+                    if shape == "convert":
+                        converting = seconds
+                    else:
+                        first = first or seconds
+                    row["ratio"] = seconds / (first or seconds)
+                    if converting:
+                        row["vs_converting"] = seconds / converting
+                    print(f"{name:6} {SHAPES[shape].format(n=args.nodes):20} {seconds:7.1f} s  "
+                          f"{row['ratio']:.2f}x"
+                          + (f" ({row['vs_converting']:.2f}x of converting)" if converting
+                             else "")
+                          + f"  ran {row['ran']}/{row['tasks']} on "
                           f"{len(row['hosts'])} hosts  conversions {row['conversions']}  "  # type: ignore[arg-type]
-                          f"failed {len(row['failed'])}", flush=True)  # type: ignore[arg-type]
+                          f"fetches {row['fetches']}  failed {len(row['failed'])}",  # type: ignore[arg-type]
+                          flush=True)
                     rows.append(row)
     finally:
         registry.stop()

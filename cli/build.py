@@ -25,7 +25,7 @@ from imgpipe.commands.images import (
 )
 from imgpipe.commands.published import Published, publish_squashfs
 from imgpipe.pipeline.catalog import Image, load_catalog, select
-from imgpipe.pipeline.lock import lock_path
+from imgpipe.pipeline.lock import lock_path, read_lock
 from imgpipe.pipeline.plan import PlanItem
 
 
@@ -190,10 +190,11 @@ def _publish_all(settings: Settings, images: tuple[str, ...], flavor: str | None
     """Publish the squashfs of every image pushed, recorded, or (nothing new) pinned."""
     keys = [(o.image, o.flavor) for o in done.pushed]
     keys += [(key.split("/")[0], key.split("/")[1]) for key in done.adopted]
-    if not keys:
+    if not keys:  # nothing new: what the lock pins (publishing again is a no-op)
         wanted = flavor or settings.default_flavor
+        lock = read_lock(lock_path(settings.root))
         keys = [(image.name, wanted) for image in select(load_catalog(settings), list(images))
-                if wanted in image.spec.flavors]
+                if lock.entry(image.name, wanted) is not None]
     published = [p for name, one in keys for p in publish_squashfs(settings, name, one,
                                                                     progress)]
     return published, [f"{p.image}/{p.flavor}: squashfs {p.squashfs.blob} "

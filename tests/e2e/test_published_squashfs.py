@@ -29,7 +29,9 @@ import yaml
 from imgpipe.enroot.prebuilt import PINS_ENV
 from imgpipe.enroot.published import ARTIFACT_TYPE, find_published, publish
 from imgpipe.registry.client import RegistryClient
+from imgpipe.registry.errors import DigestMismatchError
 from imgpipe.registry.referrers import referrers, referrers_tag
+from imgpipe.registry.transfer import fetch_resumable
 from tests import services
 from tests.cluster import USERS, shared_folder, system_imgpipe
 from tests.conftest import CliRun
@@ -169,6 +171,30 @@ def test_a_second_clone_verifies_then_fetches(origin: Path, published: dict, tmp
     assert lock["squashfs_sha256"] == published["pin"]
     code, out, err = second("convert", "hello", "--no-prebuilt", "--compression", "lz4")
     assert code == 0 and "squash with lz4" in err, out + err
+
+
+def test_a_broken_fetch_resumes_and_a_wrong_start_is_thrown_away(registry_server,
+                                                                  published: dict,
+                                                                  tmp_path: Path) -> None:
+    client = RegistryClient(f"http://{registry_server.address}")
+    pin = published["pin"]
+    whole = requests.get(f"http://{registry_server.address}/v2/published/hello/blobs/{pin}",
+                         timeout=60).content
+    partial = tmp_path / "squashfs.part"
+    partial.write_bytes(whole[:len(whole) // 2])  # what a transfer broken half-way kept
+    os.chmod(partial, 0o600)
+    received = fetch_resumable(client, "published/hello", pin, partial)
+    assert received == len(whole) - len(whole) // 2 and _sha256(partial) == pin
+    partial.write_bytes(b"not the blob's start" * 50)
+    with pytest.raises(DigestMismatchError):
+        fetch_resumable(client, "published/hello", pin, partial)
+    assert partial.stat().st_size == 0  # thrown away: the next run starts over
+    assert fetch_resumable(client, "published/hello", pin, partial) == len(whole)
+    partial.unlink()
+    partial.symlink_to(tmp_path / "elsewhere")  # planted by someone sharing the folder
+    with pytest.raises(OSError):
+        fetch_resumable(client, "published/hello", pin, partial)
+    assert not (tmp_path / "elsewhere").exists()
 
 
 def _other_squashfs(folder: Path) -> Path:
