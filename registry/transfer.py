@@ -25,6 +25,7 @@ from urllib.parse import urljoin
 
 import requests
 
+from imgpipe.base.directio import ALIGN, DirectWriter
 from imgpipe.registry.client import RegistryClient, sha256_digest
 from imgpipe.registry.errors import DigestMismatchError, RegistryError
 
@@ -129,47 +130,59 @@ def _received(response: requests.Response, chunks: int = 8) -> Iterator[bytes]:
                 handoff.get(timeout=0.1)
 
 
+def _kept_start(partial: Path) -> tuple[int, hashlib._Hash]:
+    """The aligned start of this user's partial download (a longer tail is cut off: direct
+    writes resume at an ALIGN boundary) and the hash of those bytes."""
+    fd = _own_partial(partial)
+    with os.fdopen(fd, "r+b") as kept_file:
+        size = os.fstat(kept_file.fileno()).st_size
+        kept = size - size % ALIGN
+        kept_file.truncate(kept)
+        hasher = hashlib.sha256()
+        while block := kept_file.read(READ_CHUNK):
+            hasher.update(block)
+    return kept, hasher
+
+
 def fetch_resumable(client: RegistryClient, repository: str, digest: str, partial: Path,
                     progress: Callable[[int], None] | None = None) -> int:
     """Stream blob ``digest`` into ``partial`` (resumed when it holds a start) and verify
-    it; the caller publishes the file.  Returns the bytes received by this call."""
+    it; the caller publishes the file.  Returns the bytes received by this call.  Written
+    around the page cache where the file system allows (base.directio)."""
     algorithm, _, expected = digest.partition(":")
     if algorithm != "sha256":
         raise RegistryError(f"unsupported digest algorithm in {digest!r}")
     url_path = f"/v2/{repository}/blobs/{digest}"
-    fd = _own_partial(partial)
+    kept, hasher = _kept_start(partial)
+    response = client.request("GET", url_path, stream=True, ok={200, 206, 416},
+                              headers={"Range": f"bytes={kept}-"} if kept else {})
+    if response.status_code == 200 and kept:  # no ranges served: start again
+        os.truncate(partial, 0)
+        kept, hasher = 0, hashlib.sha256()
     received = 0
-    with os.fdopen(fd, "r+b") as out:
-        hasher = hashlib.sha256()
-        while block := out.read(READ_CHUNK):
-            hasher.update(block)
-        kept = out.tell()
-        headers = {"Range": f"bytes={kept}-"} if kept else {}
-        response = client.request("GET", url_path, stream=True, headers=headers,
-                                  ok={200, 206, 416})
-        if response.status_code == 200 and kept:  # no ranges served: start again
-            out.seek(0)
-            out.truncate()
-            hasher = hashlib.sha256()
-        try:
-            if response.status_code != 416:
-                for chunk in _received(response):
-                    hasher.update(chunk)
-                    out.write(chunk)
-                    received += len(chunk)
-                    if progress:
-                        progress(len(chunk))
-        except requests.RequestException as exc:
-            raise RegistryError(f"download of {digest} from {client.address} broke off after "
-                                f"{kept + received} bytes (run again to resume)",
-                                method="GET", url=url_path) from exc
-        finally:
-            response.close()
-        out.flush()
-        os.fsync(out.fileno())
-        if hasher.hexdigest() != expected:
-            out.truncate(0)
-            raise DigestMismatchError(
-                f"blob {digest} of {repository} failed verification: its bytes hash to "
-                f"sha256:{hasher.hexdigest()}", method="GET", url=url_path)
+    writer = DirectWriter(partial, kept)
+    try:
+        if response.status_code != 416:
+            for chunk in _received(response):
+                hasher.update(chunk)
+                writer.write(chunk)
+                received += len(chunk)
+                if progress:
+                    progress(len(chunk))
+    except requests.RequestException as exc:
+        writer.abandon()
+        raise RegistryError(f"download of {digest} from {client.address} broke off after "
+                            f"{kept + received} bytes (run again to resume)",
+                            method="GET", url=url_path) from exc
+    except BaseException:
+        writer.abandon()
+        raise
+    finally:
+        response.close()
+    writer.close()
+    if hasher.hexdigest() != expected:
+        os.truncate(partial, 0)
+        raise DigestMismatchError(
+            f"blob {digest} of {repository} failed verification: its bytes hash to "
+            f"sha256:{hasher.hexdigest()}", method="GET", url=url_path)
     return received

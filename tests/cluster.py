@@ -44,6 +44,20 @@ def shared_folder(prefix: str) -> Path:
     return folder
 
 
+def node_cache(prefix: str) -> tuple[Path, Path]:
+    """What node-config sets up on a cluster: an empty squashfs folder every user shares
+    (1777) and the nodes' imgpipe.yaml naming it and the head's registry."""
+    shared = shared_folder(prefix)
+    squashfs = shared / "squashfs"
+    squashfs.mkdir()
+    os.chmod(squashfs, 0o1777)
+    config = shared / "imgpipe.yaml"
+    config.write_text(json.dumps({"registry": {"host": "head", "port": 5000},
+                                  "outputs": {"squashfs_dir": str(squashfs)}}))
+    os.chmod(config, 0o644)
+    return squashfs, config
+
+
 def owned_by(user: str, *folders: Path) -> None:
     entry = pwd.getpwnam(user)
     for folder in folders:

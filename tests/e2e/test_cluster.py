@@ -23,7 +23,15 @@ import requests
 
 from imgpipe.recipes.profiles import load_profile
 from imgpipe.recipes.render import RecipeInputs, render_bundle
-from tests.cluster import USERS, Submitter, journal, owned_by, shared_folder, wait_until
+from tests.cluster import (
+    USERS,
+    Submitter,
+    journal,
+    node_cache,
+    owned_by,
+    shared_folder,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow  # every test here takes over 20 s
 
@@ -237,14 +245,7 @@ def test_importer_two_users_on_two_nodes_convert_a_new_digest_once(cluster, regi
         headers={"Accept": "application/vnd.docker.distribution.manifest.v2+json"},
         timeout=30).headers["Docker-Content-Digest"]
     bin_dir = system_imgpipe(Path(__file__).resolve().parents[2])
-    shared = shared_folder("imgpipe-importer-")
-    squashfs = shared / "squashfs"
-    squashfs.mkdir()
-    os.chmod(squashfs, 0o1777)
-    config = shared / "imgpipe.yaml"
-    config.write_text(json.dumps({"registry": {"host": "head", "port": 5000},
-                                  "outputs": {"squashfs_dir": str(squashfs)}}))
-    os.chmod(config, 0o644)
+    squashfs, config = node_cache("imgpipe-importer-")
     uri = f"docker://head:5000#imgpipe/race@{digest}"
     results: dict[str, subprocess.CompletedProcess[str]] = {}
 

@@ -26,6 +26,7 @@ import pytest
 import requests
 import yaml
 
+from imgpipe.base.directio import ALIGN
 from imgpipe.enroot.prebuilt import PINS_ENV
 from imgpipe.enroot.published import ARTIFACT_TYPE, find_published, publish
 from imgpipe.registry.client import RegistryClient
@@ -33,7 +34,7 @@ from imgpipe.registry.errors import DigestMismatchError
 from imgpipe.registry.referrers import referrers, referrers_tag
 from imgpipe.registry.transfer import fetch_resumable
 from tests import services
-from tests.cluster import USERS, shared_folder, system_imgpipe
+from tests.cluster import USERS, node_cache, system_imgpipe
 from tests.conftest import CliRun
 
 pytestmark = pytest.mark.slow
@@ -89,19 +90,6 @@ def published(origin: Path, tmp_path_factory: pytest.TempPathFactory, base_image
     return {"folder": folder, "entry": entry, "pin": pin, "digest": entry["digest"]}
 
 
-def _node_config(name: str) -> tuple[Path, Path]:
-    """An empty squashfs folder shared by every user (1777), and the nodes' imgpipe.yaml."""
-    shared = shared_folder(f"imgpipe-{name}-")
-    squashfs = shared / "squashfs"
-    squashfs.mkdir()
-    os.chmod(squashfs, 0o1777)
-    config = shared / "imgpipe.yaml"
-    config.write_text(json.dumps({"registry": {"host": "head", "port": 5000},
-                                  "outputs": {"squashfs_dir": str(squashfs)}}))
-    os.chmod(config, 0o644)
-    return squashfs, config
-
-
 def _job(cluster, user: str, node: str, config: Path, digest: str, pins: str | None,
          program: str = "cat /hello.txt") -> subprocess.CompletedProcess[str]:
     """A one-node job as ``user``: the importer's get (what Pyxis runs first), then the
@@ -133,7 +121,7 @@ def test_a_node_runs_the_published_squashfs_without_converting(cluster, publishe
     assert code == 0 and "published/hello  1.0.0" in out, out + err
     assert "[squashfs published: 1.0.0 (zstd)" in out, out
 
-    squashfs, config = _node_config("published")
+    squashfs, config = node_cache("imgpipe-published-")
     done = _job(cluster, ALICE, "node2", config, published["digest"], pins)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "hello from CI" in done.stdout
@@ -146,7 +134,7 @@ def test_a_node_runs_the_published_squashfs_without_converting(cluster, publishe
 
     # No pin, no site opt-in: the published file is not trusted; an empty cache on another
     # host converts, and the bytes equal the published ones (conversion is deterministic).
-    squashfs2, config2 = _node_config("unpinned")
+    squashfs2, config2 = node_cache("imgpipe-unpinned-")
     done = _job(cluster, BOB, "node1", config2, published["digest"], None)
     assert done.returncode == 0 and "hello from CI" in done.stdout, done.stderr
     assert "is not pinned: converting" in done.stderr and "squash with" in done.stderr
@@ -184,8 +172,9 @@ def test_a_broken_fetch_resumes_and_a_wrong_start_is_thrown_away(registry_server
     partial.write_bytes(whole[:len(whole) // 2])  # what a transfer broken half-way kept
     os.chmod(partial, 0o600)
     received = fetch_resumable(client, "published/hello", pin, partial)
-    assert received == len(whole) - len(whole) // 2 and _sha256(partial) == pin
-    partial.write_bytes(b"not the blob's start" * 50)
+    kept = len(whole) // 2 - len(whole) // 2 % ALIGN  # resumed from an aligned offset
+    assert received == len(whole) - kept and 0 < kept and _sha256(partial) == pin
+    partial.write_bytes(b"not the blob's start" * (ALIGN // 10))
     with pytest.raises(DigestMismatchError):
         fetch_resumable(client, "published/hello", pin, partial)
     assert partial.stat().st_size == 0  # thrown away: the next run starts over
@@ -225,7 +214,7 @@ def test_a_replaced_artifact_is_refused(cluster, registry_server, published: dic
     assert [p.blob for p in find_published(client, "published/hello", digest)] == [
         planted_digest]
 
-    _, config = _node_config("tampered")
+    _, config = node_cache("imgpipe-tampered-")
     pins = f"{digest}={published['pin']}"
     done = _job(cluster, BOB, "node1", config, digest, pins)
     assert done.returncode == 0 and "hello from CI" in done.stdout, done.stderr
