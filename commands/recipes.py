@@ -6,13 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from imgpipe.base.config import Settings
-from imgpipe.base.errors import ConfigError
+from imgpipe.base.errors import ConfigError, ImgpipeError
 from imgpipe.base.files import SquashfsPath
 from imgpipe.base.progress import Progress
 from imgpipe.commands.pushed import catalog_image, find_pushed, require_pushed
 from imgpipe.commands.wiring import registry_client, registry_credentials
 from imgpipe.enroot.nodeconfig import nodes_enroot, takes_digests
 from imgpipe.enroot.prebuilt import PINS_ENV, pins_text
+from imgpipe.enroot.published import find_published
 from imgpipe.pipeline.lock import LockEntry, lock_path, read_lock
 from imgpipe.recipes.profiles import Profile, load_profile
 from imgpipe.recipes.render import Bundle, RecipeInputs, render_bundle
@@ -63,6 +64,26 @@ def squashfs_pins(settings: Settings, images: list[tuple[str, str]], chosen: str
     return pins
 
 
+def _say_if_unpinned(settings: Settings, pinned: Reference | str, progress: Progress) -> None:
+    """A squashfs published beside the pinned image that no pin here names: say how to pin
+    it (the nodes convert until then).  Quiet when the registry cannot be asked."""
+    try:
+        if isinstance(pinned, str):
+            if pinned.startswith(("/", "./")):
+                return
+            pinned = Reference.parse(pinned, default_registry=settings.registry.address)
+        if pinned.digest is None or pinned.registry != settings.registry.address:
+            return
+        found = find_published(registry_client(settings), pinned.repository, pinned.digest,
+                               settings.enroot.default_compression)
+    except ImgpipeError:
+        return
+    if found:
+        progress.step(f"{pinned.repository}@{pinned.digest[:19]} has a published squashfs "
+                      f"({found[-1].blob[:19]}) that imgpipe.lock does not pin: the nodes "
+                      "will convert; `imgpipe verify` pins it")
+
+
 def refuse_loopback(pinned: Reference | SquashfsPath | str, profile_name: str) -> None:
     """Compute nodes pull from the registry themselves: 127.0.0.1 is each node's own."""
     if isinstance(pinned, SquashfsPath) or profile_name == "local":
@@ -96,6 +117,8 @@ def render_recipes(settings: Settings, profile: Profile, nodes: int, runtime: Ru
                          + ([("nccl-tests", "ngc")] if profile.is_gpu else []), image or "")
     if pins:  # the importer on the nodes fetches these instead of converting
         env = {PINS_ENV: pins_text(pins), **env}
+    elif progress is not None and not isinstance(pinned, SquashfsPath):
+        _say_if_unpinned(settings, pinned, progress)
     site = settings.recipes
     enroot_version, learnt = nodes_enroot(settings)
     seen = (f"{'.'.join(map(str, enroot_version))}, from {learnt}" if enroot_version

@@ -145,12 +145,22 @@ def test_a_second_clone_verifies_then_fetches(origin: Path, published: dict, tmp
                                               capsys) -> None:
     _git("clone", "-q", str(origin), str(tmp_path / "b"), cwd=origin.parent)
     second = CliRun(tmp_path / "b", capsys)
+    image = f"{published['entry']['repository']}@{published['digest']}"
+    code, out, err = second("recipes", "render", "--profile", "local", "--nodes", "1", "-o",
+                            "before", "--image", image)
+    assert code == 0 and "that imgpipe.lock does not pin" in err, out + err
+    assert PINS_ENV not in (second.folder / "before" / "run.sub").read_text()
     code, out, err = second("verify", "hello")
     assert code == 0, out + err
     assert f"published squashfs {published['pin']} (zstd) equals a local conversion" in out
     lock = json.loads((second.folder / "imgpipe.lock").read_text())["images"]["hello"]["cpu"]
     assert lock["squashfs_digests"] == {"zstd": published["pin"]}
     assert not list((second.folder / "build" / "squashfs").glob("*.sqsh"))  # private compare
+    code, out, err = second("recipes", "render", "--profile", "local", "--nodes", "1", "-o",
+                            "after", "--image", image)
+    assert code == 0 and "does not pin" not in err, out + err
+    assert f"export {PINS_ENV}={published['digest']}={published['pin']}\n" in (
+        second.folder / "after" / "run.sub").read_text()
     code, out, err = second("convert", "hello")
     assert code == 0, out + err
     assert f"fetched published squashfs {published['pin'][:19]}" in out, out + err
@@ -159,6 +169,9 @@ def test_a_second_clone_verifies_then_fetches(origin: Path, published: dict, tmp
     assert lock["squashfs_sha256"] == published["pin"]
     code, out, err = second("convert", "hello", "--no-prebuilt", "--compression", "lz4")
     assert code == 0 and "squash with lz4" in err, out + err
+    code, out, err = second("push", "hello", "--squashfs")  # idempotent: nothing new to send
+    assert code == 0, out + err
+    assert f"hello/cpu: squashfs {published['pin']} (zstd) published already" in out
 
 
 def test_a_broken_fetch_resumes_and_a_wrong_start_is_thrown_away(registry_server,
