@@ -328,3 +328,43 @@ def attached(argv: Sequence[str]) -> int:
         return subprocess.run(argv, check=False).returncode
     except OSError as exc:
         raise CommandError(f"cannot run {argv[0]}: {exc.strerror}", argv=argv) from exc
+
+
+class Producer:
+    """A program whose stdout this process reads as it goes (a pipe of ``pipe_size``
+    bytes), stdin closed, stderr kept for the error message; it dies with imgpipe."""
+
+    def __init__(self, argv: Sequence[str], pipe_size: int = 0) -> None:
+        self.argv = [str(a) for a in argv]
+        log.debug("producer: %s", shlex.join(self.argv))
+        try:
+            self._proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          bufsize=0, preexec_fn=die_with_parent)
+        except OSError as exc:
+            raise CommandError(f"cannot run {self.argv[0]}: {exc.strerror}",
+                               argv=self.argv) from exc
+        assert self._proc.stdout is not None and self._proc.stderr is not None
+        self.fd = self._proc.stdout.fileno()
+        if pipe_size:
+            with contextlib.suppress(OSError):  # a smaller pipe still works, only slower
+                fcntl.fcntl(self.fd, F_SETPIPE_SZ, pipe_size)
+        self._errors: list[bytes] = []
+        stderr = self._proc.stderr
+        self._reader = threading.Thread(target=lambda: self._errors.extend(stderr),
+                                        daemon=True)
+        self._reader.start()
+
+    def stderr_tail(self) -> str:
+        """The last line of what it said on stderr, once it has ended."""
+        self._reader.join(5)
+        return last_line(b"".join(self._errors).decode(errors="replace"))
+
+    def close(self) -> int:
+        """Stop it if it still runs; its exit status."""
+        if self._proc.poll() is None:
+            self._proc.kill()
+        code = self._proc.wait()
+        assert self._proc.stdout is not None
+        self._proc.stdout.close()
+        return code

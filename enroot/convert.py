@@ -28,8 +28,10 @@ from imgpipe.enroot.errors import (
     NoSpaceError,
 )
 from imgpipe.enroot.fetch import MAX_CONNECTIONS, FetchedImage, fetch_blob_cached, fetch_image
-from imgpipe.enroot.flatten import LayerCounts, MergedView, merge, write_stream, write_tree
+from imgpipe.enroot.flatten import write_stream, write_tree
 from imgpipe.enroot.layerstream import LayerSource
+from imgpipe.enroot.merge import LayerCounts, MergedView, merge
+from imgpipe.enroot.onepass import TwoPassesNeeded, write_stream_once
 from imgpipe.enroot.prebuilt import Prebuilt, try_prebuilt
 from imgpipe.enroot.rcfiles import rc_files
 from imgpipe.enroot.squash import SquashOptions, squash_stream, squash_tree
@@ -231,7 +233,7 @@ def layer_sources(image: FetchedImage) -> list[LayerSource]:
         if layer.media_type not in LAYER_MEDIA_TYPES:
             raise HostileLayerError(layer.digest, "(manifest)",
                                     f"unknown layer media type {layer.media_type!r}")
-    return [LayerSource(layer.digest, layer.path, diff_id)
+    return [LayerSource(layer.digest, layer.path, diff_id, hashed=layer.fetched)
             for layer, diff_id in zip(image.layers, diff_ids, strict=True)]
 
 
@@ -252,17 +254,19 @@ def _convert_locked(client: RegistryClient, storage: Storage, target: _Target,
                                shutil.disk_usage(storage.root).free) from exc
         raise
     layers = layer_sources(image)
+    rc = rc_files(image.config)
     work: Path | None = None
     try:
         for attempt in (1, 2):
             try:
-                say(f"merge {len(layers)} layer(s)")
-                view = merge(layers, rc_files(image.config))
-                if work is None:
-                    tree_bytes = view.file_bytes if target.options.tool == "mksquashfs" else 0
-                    work = storage.work_dir(digest, tree_bytes)
                 try:
-                    return _squash_and_publish(target, image, layers, view, work)
+                    if target.options.tool == "tar2sqfs":
+                        return _squash_stream(target, image, layers, rc)
+                    say(f"merge {len(layers)} layer(s)")
+                    view = merge(layers, rc)
+                    if work is None:
+                        work = storage.work_dir(digest, view.file_bytes)
+                    return _squash_tree(target, image, layers, view, work)
                 except (OSError, ConvertError) as exc:
                     if _out_of_space(exc):
                         raise NoSpaceError(storage.root, needed,
@@ -355,22 +359,48 @@ class _Counted(io.RawIOBase):
         self._out.flush()
 
 
-def _squash_and_publish(target: _Target, image: FetchedImage, layers: list[LayerSource],
-                        view: MergedView, work: Path) -> Conversion:
-    """Squash the merged view into a temporary name beside the final one, sync, rename."""
-    options = target.options
-    written = [0]
-    target.say(f"squash with {options.compression} ({options.tool})")
-    advance = target.count(f"squash {target.ref.repository}", view.file_bytes or None)
+def _squash_stream(target: _Target, image: FetchedImage, layers: list[LayerSource],
+                   rc: dict[str, tuple[str, int]]) -> Conversion:
+    """Stream the flattened root into tar2sqfs, each layer read once (``enroot.onepass``);
+    layers that pass cannot place are merged first and read twice (``enroot.flatten``)."""
+    options, repository = target.options, target.ref.repository
+    target.say(f"squash with {options.compression} ({options.tool}), one pass over "
+               f"{len(layers)} layer(s)")
+    blob_bytes = sum(layer.path.stat().st_size for layer in layers)
+    advance = target.count(f"squash {repository}", blob_bytes or None)
+    done: list[tuple[MergedView, int]] = []
     with atomic_path(target.final, mode=0o644) as tmp:
-        if options.tool == "tar2sqfs":
-            squash_stream(lambda out: written.__setitem__(
-                0, write_stream(view, layers, cast(IO[bytes], _Counted(out, advance)))), tmp,
-                options)
-        else:
-            squash_tree(lambda tree: written.__setitem__(0, write_tree(view, layers, tree)),
-                        tmp, options, work)
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())  # the file is complete on disk before it is visible
+        try:
+            squash_stream(lambda out: done.append(write_stream_once(layers, rc, out, advance,
+                                                                     options.diff_ids)),
+                          tmp, options)
+        except TwoPassesNeeded as why:
+            target.say(f"one pass cannot place {why}: merge {len(layers)} layer(s), then "
+                       "squash with two passes")
+            view = merge(layers, rc)
+            again = target.count(f"squash {repository}", view.file_bytes or None)
+            squash_stream(lambda out: done.append(
+                (view, write_stream(view, layers, cast(IO[bytes], _Counted(out, again))))),
+                tmp, options)
+        _sync(tmp)
+    view, written = done[-1]
+    return target.result(converted=True, fetched_bytes=image.fetched_bytes, entries=written,
+                         layers=view.counts)
+
+
+def _squash_tree(target: _Target, image: FetchedImage, layers: list[LayerSource],
+                 view: MergedView, work: Path) -> Conversion:
+    """Unpack the merged view into a private tree and mksquashfs it (lzo-enroot, lz4, none)."""
+    written = [0]
+    target.say(f"squash with {target.options.compression} ({target.options.tool})")
+    with atomic_path(target.final, mode=0o644) as tmp:
+        squash_tree(lambda tree: written.__setitem__(0, write_tree(view, layers, tree)),
+                    tmp, target.options, work)
+        _sync(tmp)
     return target.result(converted=True, fetched_bytes=image.fetched_bytes, entries=written[0],
                          layers=view.counts)
+
+
+def _sync(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())  # the file is complete on disk before it is visible

@@ -30,6 +30,7 @@ class Layer:
     media_type: str
     size: int
     path: Path
+    fetched: bool = False  # by this call (its bytes hashed on the way), not found cached
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ def fetch_image(client: RegistryClient, storage: Storage, repository: str, diges
         results = list(pool.map(
             lambda d: fetch_blob_cached(client, storage, repository, d["digest"], on_bytes),
             descriptors))
-    layers = [Layer(d["digest"], d.get("mediaType", ""), d.get("size", 0), path)
-              for d, (path, _) in zip(descriptors, results, strict=True)]
+    layers = [Layer(d["digest"], d.get("mediaType", ""), d.get("size", 0), path, count > 0)
+              for d, (path, count) in zip(descriptors, results, strict=True)]
     fetched = config_bytes + sum(n for _, n in results)
     return FetchedImage(repository, manifest, config, layers, fetched)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from imgpipe.enroot.errors import ConvertError
-from imgpipe.enroot.flatten import MergedView
+from imgpipe.enroot.merge import MergedView
 from imgpipe.enroot.published import PublishedSquashfs, fetch, find_published, layers_setuid
 from imgpipe.enroot.storage import Storage
 from imgpipe.registry.client import RegistryClient

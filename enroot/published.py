@@ -24,7 +24,7 @@ from pathlib import Path
 from imgpipe.base import process
 from imgpipe.base.files import atomic_path
 from imgpipe.enroot.errors import ConvertError
-from imgpipe.enroot.flatten import MergedView
+from imgpipe.enroot.merge import MergedView
 from imgpipe.enroot.storage import FORMAT, Storage, digest_hex
 from imgpipe.registry.client import Manifest, RegistryClient
 from imgpipe.registry.errors import RegistryError

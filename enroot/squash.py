@@ -51,6 +51,8 @@ class SquashOptions:
     compression: Compression = "zstd"
     zstd_level: int = 3
     processors: int = 0  # 0: every core
+    # Hash each layer's tar against the config's diff_id (enroot.verify_diff_ids).
+    diff_ids: bool = True
 
     @property
     def jobs(self) -> int:

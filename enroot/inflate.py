@@ -1,0 +1,202 @@
+"""Layer blobs -> their tar streams, in a process of their own (``python -m
+imgpipe.enroot.inflate SPEC``, SPEC a JSON object: ``layers``, a list of ``{"path": BLOB,
+"hash_blob": bool}``, and ``hash_tar``).
+
+Reading a blob, hashing it, decompressing it and hashing the tar is most of a conversion's
+CPU work.  In the converter's own process it shares the GIL with the tar handling, and
+threads do not help: each release and re-take of the GIL waits for the other thread's
+switch interval (measured: a decompressing thread beside a Python one ran no faster than
+the two one after the other).  This process does that work on another core and hands the
+streams over a pipe, in frames (``enroot.layerpipe`` reads them):
+
+* ``D`` + length + blob bytes read so far, then that many bytes of tar;
+* ``E`` + length, then a JSON summary of the finished layer: tar bytes, and the sha256 of
+  the blob and of the tar where asked;
+* ``X`` + length, then an error message (a corrupt or truncated stream): the process then
+  exits 1.
+
+Frames are written by a thread of their own while the next ones are made.
+
+It imports only what that needs (no imgpipe modules), so it starts in a few milliseconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import struct
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any, BinaryIO, cast
+
+FRAME = struct.Struct("<cQQ")  # kind, payload length, blob bytes read so far
+GZIP_MAGIC = b"\x1f\x8b"
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+BLOB_READ = 1 << 20  # compressed bytes read at a time
+OUT_CHUNK = 4 << 20  # most uncompressed bytes made from one read
+AHEAD = 64  # frames made but not yet written (64 MiB at most)
+
+
+class _Blob:
+    """A blob read in order, counted and (optionally) hashed."""
+
+    def __init__(self, path: str, hashing: bool) -> None:
+        self.handle = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
+        self.count = 0
+        self.sha256 = hashlib.sha256() if hashing else None
+
+    def chunks(self) -> Iterator[bytes]:
+        while data := self.handle.read(BLOB_READ):
+            self.count += len(data)
+            if self.sha256 is not None:
+                self.sha256.update(data)
+            yield data
+
+    def read(self, size: int = -1) -> bytes:  # for zstd's stream reader
+        data = self.handle.read(size if size >= 0 else BLOB_READ)
+        self.count += len(data)
+        if self.sha256 is not None:
+            self.sha256.update(data)
+        return data
+
+    def close(self) -> None:
+        self.handle.close()
+
+
+def _gunzip(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """gzip members one after another, as ``gzip -d`` reads them: bytes after the last
+    member that do not start another one are an error, and so is a member cut short."""
+    from isal import isal_zlib
+
+    inflate = isal_zlib.decompressobj(wbits=31)
+    fed = False
+    for data in chunks:
+        while data:
+            fed = True
+            out = inflate.decompress(data, OUT_CHUNK)
+            while True:
+                if out:
+                    yield out
+                if not inflate.unconsumed_tail:
+                    break
+                out = inflate.decompress(inflate.unconsumed_tail, OUT_CHUNK)
+            if not inflate.eof:
+                break
+            data = inflate.unused_data  # the next member's first bytes, if any
+            inflate = isal_zlib.decompressobj(wbits=31)
+            fed = False
+    if fed and not inflate.eof:
+        raise EOFError("compressed stream ended before its end-of-stream marker")
+
+
+def _unzstd(blob: _Blob) -> Iterator[bytes]:
+    import zstandard
+
+    reader = zstandard.ZstdDecompressor().stream_reader(
+        cast(BinaryIO, blob), read_across_frames=True)
+    while out := reader.read(OUT_CHUNK):
+        yield out
+
+
+def tar_chunks(blob: _Blob, magic: bytes) -> Iterator[bytes]:
+    """The uncompressed stream of ``blob`` (gzip, zstd or plain, by magic)."""
+    if magic[:2] == GZIP_MAGIC:
+        return _gunzip(blob.chunks())
+    if magic == ZSTD_MAGIC:
+        return _unzstd(blob)
+    return blob.chunks()
+
+
+def _write(fd: int, *parts: bytes | memoryview) -> None:
+    for part in parts:
+        view = memoryview(part)
+        while view:
+            view = view[os.write(fd, view):]
+
+
+class _Writer:
+    """Frames written by a thread of their own, up to AHEAD of them queued: the reader
+    blocks on a full pipe (1 MiB at most), and without this the decompressing stopped
+    whenever the converter was busy with headers."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.queue: queue.Queue[tuple[bytes, bytes | None, int] | None] = queue.Queue(AHEAD)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="frames", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (item := self.queue.get()) is not None:
+            if self.error is not None:
+                continue  # drain: the reader side stops at its next put
+            kind, payload, blob_bytes = item
+            try:
+                body = payload or b""
+                _write(self.fd, FRAME.pack(kind, len(body), blob_bytes), body)
+            except BaseException as exc:  # a broken pipe: the converter stopped reading
+                self.error = exc
+
+    def put(self, kind: bytes, payload: bytes | None, blob_bytes: int) -> None:
+        if self.error is not None:
+            raise self.error
+        self.queue.put((kind, payload, blob_bytes))
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+def stream_layer(path: str, hash_blob: bool, hash_tar: bool, frames: _Writer
+                 ) -> dict[str, Any]:
+    """Frames of one layer's tar onto ``frames``; its summary."""
+    blob = _Blob(path, hash_blob)
+    try:
+        with open(path, "rb") as peek:
+            magic = peek.read(4)
+        tar_sha256 = hashlib.sha256() if hash_tar else None
+        total = 0
+        for out in tar_chunks(blob, magic):
+            if tar_sha256 is not None:
+                tar_sha256.update(out)
+            total += len(out)
+            frames.put(b"D", out, blob.count)
+        summary: dict[str, Any] = {"tar_bytes": total, "blob_bytes": blob.count}
+        if blob.sha256 is not None:
+            summary["blob"] = blob.sha256.hexdigest()
+        if tar_sha256 is not None:
+            summary["tar"] = tar_sha256.hexdigest()
+        return summary
+    finally:
+        blob.close()
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(argv[0])
+    frames = _Writer(sys.stdout.fileno())
+    code = 0
+    for layer in spec["layers"]:
+        try:
+            summary = stream_layer(layer["path"], layer["hash_blob"], spec["hash_tar"], frames)
+        except BrokenPipeError:
+            break  # the converter stopped reading: it knows why
+        except Exception as exc:  # a broken stream: told to the reader, which names the layer
+            message = str(exc) or type(exc).__name__
+            frames.put(b"X", message.encode(errors="replace"), 0)
+            code = 1
+            break
+        frames.put(b"E", json.dumps(summary).encode(), summary["blob_bytes"])
+    try:
+        frames.close()
+    except BrokenPipeError:
+        pass
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
