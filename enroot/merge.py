@@ -261,13 +261,18 @@ class ViewBuilder:
         self.counts: list[LayerCounts] = []
         self.members: list[list[Member]] = []
 
-    def add_layer(self, layer: LayerSource, members: list[Member]) -> None:
+    def add_layer(self, layer: LayerSource, members: list[Member],
+                  paths: list[str | None] | None = None) -> None:
+        """Fold in the next layer up; ``paths``: its members' names as ``normalize`` gave
+        them already (None where it did not)."""
         number = len(self.members)
         count = LayerCounts(layer.digest)
         self.counts.append(count)
         self.members.append(members)
         for index, member in enumerate(members):
-            _merge_member(self.merger, number, index, member, layer, count)
+            path = paths[index] if paths is not None else None
+            _merge_member(self.merger, number, index, member, layer, count,
+                          normalize(member.name, layer.digest) if path is None else path)
 
     def finish(self, rc_files: dict[str, tuple[str, int]] | None = None) -> MergedView:
         """The view, with Enroot's rc files and the runtimes' mount points added on top."""
@@ -286,8 +291,7 @@ class ViewBuilder:
 
 
 def _merge_member(merger: _Merger, number: int, index: int, member: Member,
-                  layer: LayerSource, count: LayerCounts) -> None:
-    path = normalize(member.name, layer.digest)
+                  layer: LayerSource, count: LayerCounts, path: str) -> None:
     count.entries += 1
     if not path:
         return  # the root itself

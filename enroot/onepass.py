@@ -128,6 +128,7 @@ class OnePass:
     _emitted_paths: dict[str, bool] = field(default_factory=dict)  # path -> is a directory
     _kept: dict[Entry, tempfile.SpooledTemporaryFile[bytes]] = field(default_factory=dict)
     _members: dict[int, list[Member]] = field(default_factory=dict)
+    _paths: dict[int, list[str | None]] = field(default_factory=dict)
     _buried_memo: dict[str, bool] = field(default_factory=dict)
 
     def run(self) -> MergedView:
@@ -143,7 +144,7 @@ class OnePass:
                     self._stream_layer(number, self.layers[number], source)
             builder = ViewBuilder()
             for number, layer in enumerate(self.layers):
-                builder.add_layer(layer, self._members.pop(number))
+                builder.add_layer(layer, self._members.pop(number), self._paths.pop(number))
             view = builder.finish(self.rc_files)
             self._finish(view)
             return view
@@ -182,6 +183,7 @@ class OnePass:
                                     f"at byte {source.position}: {exc}") from exc
         self._report(source, read)
         self._members[number] = members
+        self._paths[number] = paths
         self._record(members, paths)
 
     def _report(self, source: PipeReader, before: int) -> int:
