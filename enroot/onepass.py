@@ -228,7 +228,8 @@ class OnePass:
     def _emit(self, number: int, index: int, member: Member, path: str, is_dir: bool,
               layer: LayerSource, source: PipeReader) -> None:
         if path in self._emitted_paths or self._below_written_file(path):
-            raise TwoPassesNeeded(f"{member.name!r} twice in layer {layer.digest[:19]}")
+            raise TwoPassesNeeded(f"{member.name!r} of layer {layer.digest[:19]}, placed once "
+                                  "already or below a non-directory of the same layer")
         if member.isfile():
             kind = "file"
         elif is_dir:

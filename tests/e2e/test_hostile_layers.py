@@ -106,3 +106,22 @@ def test_an_unknown_layer_media_type_is_refused(jail, registry_server) -> None:
                         [BASE], media_type="application/vnd.example.helm.chart.v1+gzip")
     code, _, err = cli("convert", f"{registry_server.address}/hostile/foreign:1")
     assert code == 1 and "unknown layer media type" in err
+
+
+def test_a_path_twice_in_one_layer_converts_in_two_passes(jail, registry_server) -> None:
+    """Legal but odd (tar keeps the last): the one pass cannot place it, says so, and the
+    conversion merges first; the squashfs holds the later copy."""
+    import subprocess
+
+    cli, _ = jail
+    twice = layer(entry("etc/", tarfile.DIRTYPE), entry("etc/motd", data=b"first\n"),
+                  entry("etc/motd", data=b"second\n"))
+    services.push_image(services.plain_session(), registry_server.url, "odd/twice", "1",
+                        [BASE, twice])
+    code, out, err = cli("convert", f"{registry_server.address}/odd/twice:1")
+    assert code == 0, err
+    assert "one pass cannot place 'etc/motd'" in out + err and "two passes" in out + err
+    [squashfs] = [str(path) for path in (cli.folder / "sqsh").glob("*.sqsh")]
+    shown = subprocess.run(["rdsquashfs", "--cat", "etc/motd", squashfs],
+                           capture_output=True, check=True).stdout
+    assert shown == b"second\n"

@@ -1,0 +1,249 @@
+"""The one top-down pass (enroot.onepass) writes the root the two passes write, whatever the
+layers hold, or says it cannot (TwoPassesNeeded) and the converter merges first; it refuses
+every hostile layer the merge refuses; its headers are tarfile's bytes."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import random
+import tarfile
+from pathlib import Path
+
+import pytest
+import zstandard
+
+from imgpipe.enroot.errors import BlobDigestError, HostileLayerError
+from imgpipe.enroot.flatten import Item, _tarfile_header, tar_header, write_stream
+from imgpipe.enroot.layerstream import LayerSource
+from imgpipe.enroot.merge import merge
+from imgpipe.enroot.onepass import TwoPassesNeeded, write_stream_once
+from tests.hostile_layers import CASES, entry, layer
+
+DIR, FILE, SYM, LNK = tarfile.DIRTYPE, tarfile.REGTYPE, tarfile.SYMTYPE, tarfile.LNKTYPE
+RC = {"etc/rc": ("echo rc\n", 0o755), "etc/rc.local": ("", 0o644)}
+
+
+def sources(folder: Path, blobs: list[bytes], diff_ids: bool = False) -> list[LayerSource]:
+    folder.mkdir(exist_ok=True)
+    made = []
+    for number, blob in enumerate(blobs):
+        path = folder / f"layer{number}"
+        path.write_bytes(blob)
+        diff_id = None
+        if diff_ids:
+            raw = blob
+            if blob[:2] == b"\x1f\x8b":
+                raw = gzip.decompress(blob)
+            elif blob[:4] == b"\x28\xb5\x2f\xfd":
+                raw = zstandard.ZstdDecompressor().decompressobj().decompress(blob)
+            diff_id = f"sha256:{hashlib.sha256(raw).hexdigest()}"
+        made.append(LayerSource("sha256:" + hashlib.sha256(blob).hexdigest(), path, diff_id))
+    return made
+
+
+def two_passes(layers: list[LayerSource], rc: dict | None = None) -> bytes:
+    out = io.BytesIO()
+    write_stream(merge(layers, rc), layers, out)
+    return out.getvalue()
+
+
+def one_pass(layers: list[LayerSource], rc: dict | None = None, diff_ids: bool = True
+             ) -> bytes:
+    out = io.BytesIO()
+    write_stream_once(layers, rc, out, hash_tars=diff_ids)
+    return out.getvalue()
+
+
+def root_of(stream: bytes) -> dict[str, tuple]:
+    """What tar2sqfs builds from ``stream``: each path's kind, mode, mtime and content (a
+    hard link shows its target's); refuses a stream naming a path twice."""
+    root: dict[str, tuple] = {}
+    with tarfile.open(fileobj=io.BytesIO(stream)) as tar:
+        for member in tar:
+            name = member.name.rstrip("/")
+            assert name not in root, f"{name} twice in the stream"
+            if member.islnk():
+                root[name] = root[member.linkname]
+            elif member.isfile():
+                content = tar.extractfile(member).read()  # type: ignore[union-attr]
+                root[name] = ("file", member.mode, member.mtime, content)
+            else:
+                root[name] = (member.type, member.mode, member.mtime, member.linkname)
+            assert member.uid == member.gid == 0
+    return root
+
+
+SCENARIOS = {
+    "whiteout and opaque directory": [
+        layer(entry("usr/", DIR), entry("usr/lib/", DIR), entry("usr/lib/a", data=b"a"),
+              entry("usr/lib/b", data=b"b"), entry("opt/", DIR), entry("opt/x", data=b"x")),
+        layer(entry("usr/lib/.wh.a"), entry("opt/.wh..wh..opq"), entry("opt/y", data=b"y")),
+    ],
+    "a file over a directory and a directory over a file": [
+        layer(entry("d/", DIR), entry("d/inner", data=b"i"), entry("f", data=b"f")),
+        layer(entry("d", data=b"now a file"), entry("f/", DIR), entry("f/child", data=b"c")),
+    ],
+    "a file implied into a directory by a later layer": [
+        layer(entry("p", data=b"file"), entry("q", data=b"q")),
+        layer(entry("p/below", data=b"b")),
+    ],
+    "hard links within and across layers": [
+        layer(entry("bin/", DIR), entry("bin/tool", data=b"tool v1"),
+              entry("bin/alias", LNK, link="bin/tool")),
+        layer(entry("bin/other", LNK, link="bin/tool")),
+    ],
+    "a hard link whose target a later layer replaces": [
+        layer(entry("lib/", DIR), entry("lib/libx.so", data=b"old bytes")),
+        layer(entry("lib/libx.so.1", LNK, link="lib/libx.so")),
+        layer(entry("lib/libx.so", data=b"new bytes")),
+    ],
+    "symlinks, whiteouts of directories, rc files over the image's": [
+        layer(entry("etc/", DIR), entry("etc/rc", data=b"image rc"), entry("tree/", DIR),
+              entry("tree/a/", DIR), entry("tree/a/deep", data=b"d"),
+              entry("link", SYM, link="tree/a")),
+        layer(entry(".wh.tree"), entry("link2", SYM, link="/etc")),
+    ],
+    "names past 100 bytes and a directory's metadata from the top layer": [
+        layer(entry("long/", DIR), entry("long/" + "n" * 150, data=b"long"),
+              entry("long/s", SYM, link="t" * 140)),
+        layer(entry("long/", DIR), entry("long/more", data=b"m")),
+    ],
+    "devices dropped, empty layers kept": [
+        layer(entry("dev/null", tarfile.CHRTYPE), entry("a", data=b"a")),
+        layer(),
+        layer(entry("b", data=b"b" * 70000), compress=False),
+    ],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_one_pass_writes_the_root_two_passes_write(name: str, tmp_path: Path) -> None:
+    layers = sources(tmp_path, SCENARIOS[name], diff_ids=True)
+    assert root_of(one_pass(layers, RC)) == root_of(two_passes(layers, RC))
+
+
+def test_zstd_and_plain_layers_read_the_same(tmp_path: Path) -> None:
+    raw = layer(entry("z/", DIR), entry("z/file", data=b"zz" * 5000), compress=False)
+    blobs = [zstandard.ZstdCompressor().compress(raw), raw, gzip.compress(raw)]
+    layers = sources(tmp_path, blobs, diff_ids=True)
+    root = root_of(one_pass(layers))
+    assert root["z/file"][3] == b"zz" * 5000 and root == root_of(two_passes(layers))
+
+
+def test_a_path_twice_in_one_layer_needs_two_passes(tmp_path: Path) -> None:
+    layers = sources(tmp_path, [layer(entry("x", data=b"first"), entry("x", data=b"second"))])
+    with pytest.raises(TwoPassesNeeded, match="placed once already"):
+        one_pass(layers)
+    assert root_of(two_passes(layers))["x"][3] == b"second"
+
+
+def test_a_whiteout_beside_new_entries_below_it_needs_two_passes(tmp_path: Path) -> None:
+    layers = sources(tmp_path, [
+        layer(entry("d/", DIR), entry("d/old", data=b"o")),
+        layer(entry("d/new", data=b"n"), entry(".wh.d")),
+    ])
+    with pytest.raises(TwoPassesNeeded):
+        one_pass(layers)
+
+
+def _random_layers(rng: random.Random) -> list[bytes]:
+    names = ["a", "b", "c"]
+    blobs = []
+    for _ in range(rng.randint(1, 4)):
+        entries = []
+        for _ in range(rng.randint(0, 7)):
+            path = "/".join(rng.choice(names) for _ in range(rng.randint(1, 3)))
+            parent, _, base = path.rpartition("/")
+            kind = rng.choice("ffffddslwo")
+            if kind == "f":
+                entries.append(entry(path, data=rng.randbytes(rng.randint(0, 700))))
+            elif kind == "d":
+                entries.append(entry(path + "/", DIR))
+            elif kind == "s":
+                entries.append(entry(path, SYM, link=rng.choice(names)))
+            elif kind == "l":
+                entries.append(entry(path, LNK, link=rng.choice(names)))
+            elif kind == "w":
+                entries.append(entry(f"{parent}/.wh.{base}" if parent else f".wh.{base}"))
+            else:
+                entries.append(entry(f"{path}/.wh..wh..opq"))
+        blobs.append(layer(*entries))
+    return blobs
+
+
+def test_random_layer_stacks_give_the_same_root_or_ask_for_two_passes(tmp_path: Path) -> None:
+    rng = random.Random(2026)
+    same = refused = two = 0
+    for case in range(120):
+        layers = sources(tmp_path / f"case{case}", _random_layers(rng))
+        try:
+            expected: bytes | type[Exception] = two_passes(layers)
+        except HostileLayerError:
+            expected = HostileLayerError
+        try:
+            written = one_pass(layers)
+        except TwoPassesNeeded:
+            two += 1
+            continue
+        except HostileLayerError:
+            assert expected is HostileLayerError, f"case {case}: one pass refused"
+            refused += 1
+            continue
+        assert expected is not HostileLayerError, f"case {case}: one pass let it through"
+        assert isinstance(expected, bytes)
+        assert root_of(written) == root_of(expected), f"case {case}"
+        same += 1
+    assert same >= 25 and refused >= 5, (same, refused, two)  # the one pass does the work
+
+
+def as_converted(layers: list[LayerSource]) -> bytes:
+    """As `imgpipe convert` streams into tar2sqfs: one pass, or two when it cannot."""
+    try:
+        return one_pass(layers)
+    except TwoPassesNeeded:
+        return two_passes(layers)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_one_pass_refuses_every_hostile_layer(case: str, tmp_path: Path) -> None:
+    blobs, expected = CASES[case]
+    layers = sources(tmp_path, blobs)
+    with pytest.raises(HostileLayerError) as caught:
+        as_converted(layers)
+    message = str(caught.value)
+    assert expected in message, message
+    assert any(message.startswith(f"layer {layer.digest[:19]}") for layer in layers), message
+
+
+def test_diff_ids_are_checked_when_asked(tmp_path: Path) -> None:
+    [good] = sources(tmp_path, [layer(entry("f", data=b"f"))], diff_ids=True)
+    lying = LayerSource(good.digest, good.path, "sha256:" + "0" * 64)
+    with pytest.raises(HostileLayerError, match="not to the image config's diff_id"):
+        one_pass([lying])
+    assert root_of(one_pass([lying], diff_ids=False))["f"][3] == b"f"
+
+
+def test_a_blob_changed_on_disk_is_caught_unless_this_process_hashed_it(tmp_path: Path
+                                                                        ) -> None:
+    [source] = sources(tmp_path, [layer(entry("f", data=b"original"))])
+    source.path.write_bytes(layer(entry("f", data=b"tampered")))
+    with pytest.raises(BlobDigestError):
+        one_pass([source])
+    fetched_now = LayerSource(source.digest, source.path, hashed=True)
+    assert root_of(one_pass([fetched_now]))["f"][3] == b"tampered"
+
+
+def test_headers_are_tarfiles_bytes() -> None:
+    rng = random.Random(7)
+    for _ in range(3000):
+        kind = rng.choice(["dir", "file", "symlink", "hardlink", "fifo"])
+        name = "/".join(rng.choice(["usr", "é", "x" * rng.randint(1, 70)])
+                        for _ in range(rng.randint(1, 3)))
+        link = "../" * rng.randint(0, 3) + "t" * rng.randint(1, 99) if kind in (
+            "symlink", "hardlink") else None
+        size = rng.choice([0, 1, 511, 512, 8**11 - 1, 8**11, 3 << 33]) if kind == "file" else 0
+        item = Item(name, kind, rng.randint(0, 0o7777), rng.choice([0, 1 << 30, 8**11]), size,
+                    None, link)
+        assert tar_header(item) == _tarfile_header(item), item
