@@ -149,7 +149,7 @@ def get(uri: str) -> Path:
     conversion = convert(
         registry_client(settings), storage(settings), ref,
         SquashOptions(compression_of(enroot.default_compression), enroot.zstd_level,
-                      enroot.processors),
+                      enroot.processors, enroot.verify_diff_ids),
         say=lambda text: print(f"imgpipe: {text}", file=sys.stderr, flush=True),
         connections=enroot.max_connections,
         prebuilt=Prebuilt(enroot.prebuilt, unpinned=enroot.prebuilt_unpinned))

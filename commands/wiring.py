@@ -42,7 +42,8 @@ def squash_options(settings: Settings, image_choice: str | None = None,
     """Compression: the command line's, else the image's, else the site's."""
     enroot = settings.enroot
     compression = override or image_choice or enroot.default_compression
-    return SquashOptions(compression_of(compression), enroot.zstd_level, enroot.processors)
+    return SquashOptions(compression_of(compression), enroot.zstd_level, enroot.processors,
+                         enroot.verify_diff_ids)
 
 
 def local_registry(settings: Settings) -> LocalRegistry:
