@@ -36,11 +36,13 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import ngc_image  # noqa: E402
 
+from imgpipe.base.units import parse_size  # noqa: E402
 from tests import services  # noqa: E402
 
 SHM = Path("/dev/shm")
 OPAQUE = ".wh..wh..opq"  # left as a marker: a timing approximation (lower files stay)
-LAYERS = {0.26e9: 8, 1.2e9: 12, 5e9: 40, 15e9: 44}
+# Sizes as bench/ngc_image.py reads them (G = GiB), so `--size 15G` there is 15G here.
+LAYERS = {0.26 * 2**30: 8, 1.2 * 2**30: 12, 5 * 2**30: 40, 15 * 2**30: 44}
 
 
 def layers_for(size: int) -> int:
@@ -241,7 +243,7 @@ def run(sizes: list[int], out: Path, seed: int, port: int | None = None) -> None
 
 
 def one_size(size: int, registry: services.RegistryProcess, work: Path, seed: int) -> dict:
-    tag = f"{size / 1e9:.2f}g"
+    tag = f"{size / 2**30:.2f}gib"
     say = lambda text: print(f"  {text}", file=sys.stderr, flush=True)  # noqa: E731
     print(f"{size / 1e9:.2f} GB: generating", file=sys.stderr, flush=True)
     made = ngc_image.generate(registry.address, "scale/ngc", tag, size, layers_for(size), seed,
@@ -285,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.enroot_way:
         print(json.dumps({"size": run_enroot_way(args.enroot_way, args.work)}))
         return 0
-    run([int(float(s.upper().rstrip("GB")) * 1e9) for s in args.sizes.split(",")], args.out,
+    run([parse_size(text) for text in args.sizes.split(",")], args.out,
         args.seed, args.port)
     return 0
 

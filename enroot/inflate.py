@@ -37,7 +37,7 @@ GZIP_MAGIC = b"\x1f\x8b"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 BLOB_READ = 1 << 20  # compressed bytes read at a time
 OUT_CHUNK = 4 << 20  # most uncompressed bytes made from one read
-AHEAD = 64  # frames made but not yet written (64 MiB at most)
+AHEAD = 64  # frames made but not yet written: 256 MiB at most, less where memory is short
 
 
 class _Blob:
@@ -117,6 +117,42 @@ def _write(fd: int, *parts: bytes | memoryview) -> None:
             view = view[os.write(fd, view):]
 
 
+def _read(path: str) -> str:
+    try:
+        with open(path) as handle:
+            return handle.read().strip()
+    except OSError:
+        return ""
+
+
+def frames_ahead() -> int:
+    """How many frames may wait for the pipe: AHEAD, or fewer so that they take at most an
+    eighth of this cgroup's memory limit and of the memory available (a login node's limits:
+    a conversion under a 160 MiB cgroup must not be killed for running ahead)."""
+    budgets = []
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    budgets.append(int(line.split()[1]) * 1024)
+        with open("/proc/self/cgroup") as cgroup:
+            for line in cgroup:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if controllers == "":  # cgroup v2
+                    limit = _read(f"/sys/fs/cgroup{path}/memory.max")
+                elif "memory" in controllers.split(","):  # v1
+                    limit = _read(f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes")
+                else:
+                    continue
+                if limit.isdigit():
+                    budgets.append(int(limit))
+    except (OSError, ValueError):
+        pass
+    if not budgets:
+        return AHEAD
+    return max(1, min(AHEAD, min(budgets) // 8 // OUT_CHUNK))
+
+
 class _Writer:
     """Frames written by a thread of their own, up to AHEAD of them queued: the reader
     blocks on a full pipe (1 MiB at most), and without this the decompressing stopped
@@ -124,7 +160,8 @@ class _Writer:
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
-        self.queue: queue.Queue[tuple[bytes, bytes | None, int] | None] = queue.Queue(AHEAD)
+        self.queue: queue.Queue[tuple[bytes, bytes | None, int] | None] = queue.Queue(
+            frames_ahead())
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="frames", daemon=True)
         self.thread.start()
