@@ -66,7 +66,7 @@ class _Blob:
         self.handle.close()
 
 
-def _gunzip(chunks: Iterator[bytes]) -> Iterator[bytes]:
+def gunzip(chunks: Iterator[bytes]) -> Iterator[bytes]:
     """gzip members one after another, as ``gzip -d`` reads them: bytes after the last
     member that do not start another one are an error, and so is a member cut short."""
     from isal import isal_zlib
@@ -104,7 +104,7 @@ def _unzstd(blob: _Blob) -> Iterator[bytes]:
 def tar_chunks(blob: _Blob, magic: bytes) -> Iterator[bytes]:
     """The uncompressed stream of ``blob`` (gzip, zstd or plain, by magic)."""
     if magic[:2] == GZIP_MAGIC:
-        return _gunzip(blob.chunks())
+        return gunzip(blob.chunks())
     if magic == ZSTD_MAGIC:
         return _unzstd(blob)
     return blob.chunks()

@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any, BinaryIO, Protocol, cast
 
 import zstandard
-from isal import isal_zlib
 from isal.igzip_lib import IsalError
 
 from imgpipe.enroot.errors import BlobDigestError, HostileLayerError
+from imgpipe.enroot.inflate import gunzip
 
 COPY_CHUNK = 1 << 20
 # What a broken compressed stream raises, by decompressor.
@@ -89,7 +89,7 @@ class _Inflater:
 
     def _tar(self) -> Iterator[bytes]:
         if self.magic[:2] == GZIP_MAGIC:
-            yield from _gunzip_members(self._blob())
+            yield from gunzip(self._blob())
         elif self.magic == ZSTD_MAGIC:
             reader = zstandard.ZstdDecompressor().stream_reader(
                 _Chunks(self._blob()), read_across_frames=True)  # type: ignore[arg-type]
@@ -122,30 +122,6 @@ class _Inflater:
         self._stop.set()
         self._thread.join()
         self.handle.close()
-
-
-def _gunzip_members(chunks: Iterator[bytes]) -> Iterator[bytes]:
-    """gzip members one after another, as ``gzip`` reads them: bytes after the last member
-    that do not start another are an error, and so is a member cut short."""
-    inflate = isal_zlib.decompressobj(wbits=31)
-    fed = False
-    for data in chunks:
-        while data:
-            fed = True
-            out = inflate.decompress(data, OUT_CHUNK)
-            while True:
-                if out:
-                    yield out
-                if not inflate.unconsumed_tail:
-                    break
-                out = inflate.decompress(inflate.unconsumed_tail, OUT_CHUNK)
-            if not inflate.eof:
-                break
-            data = inflate.unused_data  # the next member's first bytes, if any
-            inflate = isal_zlib.decompressobj(wbits=31)
-            fed = False
-    if fed and not inflate.eof:
-        raise EOFError("Compressed file ended before the end-of-stream marker was reached")
 
 
 class _Chunks(io.RawIOBase):

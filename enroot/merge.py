@@ -24,7 +24,9 @@ converter, ``enroot.onepass``, collects them while it streams).
 
 from __future__ import annotations
 
+import contextlib
 import tarfile
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,6 +110,20 @@ def check_end(raw: TarSource, end: int, layer: LayerSource) -> None:
         position += len(chunk)
 
 
+@contextlib.contextmanager
+def layer_errors(layer: LayerSource, source: TarSource) -> Iterator[None]:
+    """A broken compressed stream or a tar that does not parse, as the layer's error with
+    the byte it happened at; a layer with no entries is legal (its first block ends the
+    archive, which tarfile calls an empty file)."""
+    try:
+        yield
+    except (*STREAM_ERRORS, tarfile.ReadError) as exc:  # type: ignore[misc]
+        why = str(exc) or type(exc).__name__
+        if not (isinstance(exc, tarfile.ReadError) and "empty file" in why):
+            raise HostileLayerError(layer.digest, "(stream)", "truncated or corrupt layer "
+                                    f"at byte {source.position}: {why}") from exc
+
+
 def read_members(layer: LayerSource) -> list[Member]:
     """Every member header of a layer, in order (data skipped by seeking forward)."""
     try:
@@ -119,24 +135,15 @@ def read_members(layer: LayerSource) -> list[Member]:
     with raw:
         members: list[Member] = []
         end = 0
-        try:
+        with layer_errors(layer, raw):
             # Random-access mode on a forward-seekable decompressor: headers are parsed
             # and file data is skipped by seeking, never copied through Python.
             with tarfile.open(fileobj=raw, mode="r:", errorlevel=2) as tar:
                 # The layer's TarInfo objects go with ``tar``: only the slim records stay.
                 members = [Member(info) for info in tar.getmembers()]
                 end = tar.offset
-        except (*STREAM_ERRORS, tarfile.ReadError) as exc:  # type: ignore[misc]
-            why = str(exc) or type(exc).__name__
-            if not (isinstance(exc, tarfile.ReadError) and "empty file" in why):
-                raise HostileLayerError(layer.digest, "(stream)", "truncated or corrupt layer "
-                                        f"at byte {raw.position}: {why}") from exc
-            # a layer with no entries is legal: its first block ends the archive
-        try:
+        with layer_errors(layer, raw):
             check_end(raw, end, layer)
-        except STREAM_ERRORS as exc:
-            raise HostileLayerError(layer.digest, "(stream)", "truncated or corrupt layer "
-                                    f"at byte {raw.position}: {exc}") from exc
         return members
 
 

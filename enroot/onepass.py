@@ -43,8 +43,8 @@ from imgpipe.enroot.flatten import (
     tar_header,
     write_item,
 )
-from imgpipe.enroot.layerpipe import InflateError, LayerPipe, PipeReader
-from imgpipe.enroot.layerstream import COPY_CHUNK, STREAM_ERRORS, LayerSource
+from imgpipe.enroot.layerpipe import LayerPipe, PipeReader
+from imgpipe.enroot.layerstream import COPY_CHUNK, LayerSource
 from imgpipe.enroot.members import Member
 from imgpipe.enroot.merge import (
     OPAQUE,
@@ -53,6 +53,7 @@ from imgpipe.enroot.merge import (
     MergedView,
     ViewBuilder,
     check_end,
+    layer_errors,
     normalize,
 )
 
@@ -162,7 +163,7 @@ class OnePass:
         members: list[Member] = []
         read = 0
         end = 0
-        try:
+        with layer_errors(layer, source):
             with tarfile.open(fileobj=source, mode="r:", errorlevel=2) as tar:
                 while (info := tar.next()) is not None:
                     member = Member(info)
@@ -170,17 +171,9 @@ class OnePass:
                     paths.append(self._place(number, len(members) - 1, member, layer, source))
                     read = self._report(source, read)
                 end = tar.offset
-        except (*STREAM_ERRORS, tarfile.ReadError) as exc:  # type: ignore[misc]
-            why = str(exc) or type(exc).__name__
-            if not (isinstance(exc, tarfile.ReadError) and "empty file" in why):
-                raise HostileLayerError(layer.digest, "(stream)", "truncated or corrupt "
-                                        f"layer at byte {source.position}: {why}") from exc
-        try:
+        with layer_errors(layer, source):
             check_end(source, end, layer)
             source.verify(layer)
-        except InflateError as exc:
-            raise HostileLayerError(layer.digest, "(stream)", "truncated or corrupt layer "
-                                    f"at byte {source.position}: {exc}") from exc
         self._report(source, read)
         self._members[number] = members
         self._paths[number] = paths
