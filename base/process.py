@@ -332,15 +332,18 @@ def attached(argv: Sequence[str]) -> int:
 
 class Producer:
     """A program whose stdout this process reads as it goes (a pipe of ``pipe_size``
-    bytes), stdin closed, stderr kept for the error message; it dies with imgpipe."""
+    bytes), stderr kept for the error message; it dies with imgpipe.  Its stdin is closed,
+    or with ``with_input`` a pipe this process writes to (:meth:`send`, :meth:`end_input`)."""
 
-    def __init__(self, argv: Sequence[str], pipe_size: int = 0) -> None:
+    def __init__(self, argv: Sequence[str], pipe_size: int = 0, with_input: bool = False
+                 ) -> None:
         self.argv = [str(a) for a in argv]
         log.debug("producer: %s", shlex.join(self.argv))
         try:
-            self._proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          bufsize=0, preexec_fn=die_with_parent)
+            self._proc = subprocess.Popen(
+                self.argv, stdin=subprocess.PIPE if with_input else subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,
+                preexec_fn=die_with_parent)
         except OSError as exc:
             raise CommandError(f"cannot run {self.argv[0]}: {exc.strerror}",
                                argv=self.argv) from exc
@@ -355,6 +358,24 @@ class Producer:
                                         daemon=True)
         self._reader.start()
 
+    def send(self, data: bytes) -> None:
+        """Write ``data`` to its stdin (OSError once it has stopped reading)."""
+        stdin = self._proc.stdin
+        if stdin is None or stdin.closed:
+            raise BrokenPipeError("the program's input is closed")
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[stdin.write(view) or 0:]
+        except ValueError as exc:  # closed meanwhile, by close()
+            raise BrokenPipeError("the program's input is closed") from exc
+
+    def end_input(self) -> None:
+        """Close its stdin: it reads to the end of its input."""
+        if self._proc.stdin is not None and not self._proc.stdin.closed:
+            with contextlib.suppress(OSError):
+                self._proc.stdin.close()
+
     def stderr_tail(self) -> str:
         """The last line of what it said on stderr, once it has ended."""
         self._reader.join(5)
@@ -365,6 +386,7 @@ class Producer:
         if self._proc.poll() is None:
             self._proc.kill()
         code = self._proc.wait()
+        self.end_input()
         assert self._proc.stdout is not None
         self._proc.stdout.close()
         return code

@@ -42,6 +42,7 @@ class Progress:
             self._console = Console(file=self.stream)
         self._status: Status | None = None
         self._last_draw = 0.0
+        self._last_count = 0.0  # when a byte counter's line was last shown
 
     def step(self, text: str) -> None:
         """A milestone: always shown (unless quiet)."""
@@ -74,11 +75,11 @@ class Progress:
         most once a second, as plain lines at most every ``PLAIN_EVERY_S``, never quietly.
         ``total`` may be an estimate (a squash's output): a count past it raises it by a
         tenth (shown as ``of ~…``) rather than showing more than 100 %, and the line forced
-        when the count reaches the total is forced once.
+        when the count reaches the total is forced once.  Counters running at once (a
+        conversion squashes while it fetches) share that rate.
         """
         started = time.monotonic()
         moved = [0]
-        last = [0.0]
         estimate = [total]  # raised when the count passes it: never more than 100 %
         at_end = [False]  # the line at the estimate is forced once, not on every write after
 
@@ -91,10 +92,10 @@ class Progress:
             now = time.monotonic()
             every = 1.0 if self.mode == "tty" else PLAIN_EVERY_S
             reached = bool(estimate[0]) and moved[0] >= (estimate[0] or 0) and not at_end[0]
-            if now - last[0] < every and not reached:
-                return
+            if now - self._last_count < every and not reached:
+                return  # counters running at once (fetch and squash) share the rate
             at_end[0] = at_end[0] or reached
-            last[0] = now
+            self._last_count = now
             rate = moved[0] / max(now - started, 1e-6)
             raised = "~" if estimate[0] != total else ""
             of = (f" of {raised}{human_bytes(estimate[0])} "

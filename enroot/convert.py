@@ -2,10 +2,11 @@
 
 A digest that has a squashfs returns at once.  Otherwise the conversion runs
 under the digest's lock (so processes on one host or many serialize and all
-end with the same file): fetch blobs into the shared cache, merge the layers
-(validated), stream the flattened root into the squash tool, write to a name
-unique to this host and process, and rename it into place.  A crash leaves
-only temporaries, which the next holder of the lock deletes.
+end with the same file): fetch blobs into the shared cache, top layer first,
+while the one pass streams each layer that has landed (validated) into the
+squash tool, write to a name unique to this host and process, and rename it
+into place.  A crash leaves only temporaries, which the next holder of the
+lock deletes.
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ from imgpipe.enroot.errors import (
     HostileLayerError,
     NoSpaceError,
 )
-from imgpipe.enroot.fetch import MAX_CONNECTIONS, FetchedImage, fetch_blob_cached, fetch_image
+from imgpipe.enroot.fetch import MAX_CONNECTIONS, ImageFetch, fetch_blob_cached, fetch_image
 from imgpipe.enroot.flatten import write_stream, write_tree
 from imgpipe.enroot.layerstream import LayerSource
 from imgpipe.enroot.merge import LayerCounts, MergedView, merge
 from imgpipe.enroot.onepass import TwoPassesNeeded, write_stream_once
 from imgpipe.enroot.prebuilt import Prebuilt, try_prebuilt
 from imgpipe.enroot.rcfiles import rc_files
+from imgpipe.enroot.sources import Arrivals, layer_sources
 from imgpipe.enroot.squash import SquashOptions, squash_stream, squash_tree
 from imgpipe.enroot.storage import Storage
 from imgpipe.registry.client import RegistryClient
@@ -210,79 +212,70 @@ def _convert_with_enroot(client: RegistryClient, target: _Target) -> Conversion:
     return target.result(converted=True)
 
 
-# Layer media types a conversion accepts (OCI and Docker schema 2); anything else, such as
-# foreign (Windows) layers or artifacts, is refused rather than guessed at.
-LAYER_MEDIA_TYPES = frozenset({
-    "application/vnd.oci.image.layer.v1.tar",
-    "application/vnd.oci.image.layer.v1.tar+gzip",
-    "application/vnd.oci.image.layer.v1.tar+zstd",
-    "application/vnd.docker.image.rootfs.diff.tar",
-    "application/vnd.docker.image.rootfs.diff.tar.gzip",
-    "application/vnd.docker.image.rootfs.diff.tar.zstd",
-})
-
-
-def layer_sources(image: FetchedImage) -> list[LayerSource]:
-    """The image's layers with the diff_ids their config promises; refuses unknown types."""
-    diff_ids = list((image.config.get("rootfs") or {}).get("diff_ids") or [])
-    if len(diff_ids) != len(image.layers):
-        raise ConvertError(f"{image.repository}: the config lists {len(diff_ids)} diff_id(s) "
-                           f"for {len(image.layers)} layer(s)",
-                           hint="the image is broken; rebuild and push it")
-    for layer in image.layers:
-        if layer.media_type not in LAYER_MEDIA_TYPES:
-            raise HostileLayerError(layer.digest, "(manifest)",
-                                    f"unknown layer media type {layer.media_type!r}")
-    return [LayerSource(layer.digest, layer.path, diff_id, hashed=layer.fetched)
-            for layer, diff_id in zip(image.layers, diff_ids, strict=True)]
-
-
 def _convert_locked(client: RegistryClient, storage: Storage, target: _Target,
                     connections: int = MAX_CONNECTIONS) -> Conversion:
-    repository, digest, say = target.ref.repository, target.digest, target.say
+    """Fetch and convert: tar2sqfs starts on the top layer as soon as it has landed (the
+    one pass reads top-down), mksquashfs once every layer has."""
+    repository, digest = target.ref.repository, target.digest
     needed, missing = _space_needed(client, storage, repository, digest)
     free = shutil.disk_usage(storage.root).free
     if free < needed:
         raise NoSpaceError(storage.root, needed, free)
-    say(f"fetch {repository}@{digest[:19]}")
+    target.say(f"fetch {repository}@{digest[:19]}")
     try:
-        image = fetch_image(client, storage, repository, digest, connections=connections,
-                            on_bytes=target.count(f"fetch {repository}", missing or None))
-    except OSError as exc:
-        if exc.errno == errno.ENOSPC:
+        with ImageFetch(client, storage, repository, digest, connections=connections,
+                        on_bytes=target.count(f"fetch {repository}", missing or None),
+                        top_first=target.options.tool == "tar2sqfs") as fetching:
+            return _convert_arriving(client, storage, target, Arrivals(fetching))
+    except (OSError, ConvertError) as exc:
+        if not isinstance(exc, NoSpaceError) and _out_of_space(exc):
             raise NoSpaceError(storage.root, needed,
                                shutil.disk_usage(storage.root).free) from exc
         raise
-    layers = layer_sources(image)
-    rc = rc_files(image.config)
+
+
+def _convert_arriving(client: RegistryClient, storage: Storage, target: _Target,
+                      arrivals: Arrivals) -> Conversion:
+    """Convert as the layers arrive; a layer that fails because its cached blob went bad
+    is fetched once more and the conversion runs again, from blobs all in place."""
+    rc = rc_files(arrivals.fetching.config)
+    layers: list[LayerSource] = arrivals.planned
+    ready: Callable[[int], LayerSource] | None = arrivals.ready
     work: Path | None = None
     try:
         for attempt in (1, 2):
             try:
-                try:
-                    if target.options.tool == "tar2sqfs":
-                        return _squash_stream(target, image, layers, rc)
-                    say(f"merge {len(layers)} layer(s)")
-                    view = merge(layers, rc)
-                    if work is None:
-                        work = storage.work_dir(digest, view.file_bytes)
-                    return _squash_tree(target, image, layers, view, work)
-                except (OSError, ConvertError) as exc:
-                    if _out_of_space(exc):
-                        raise NoSpaceError(storage.root, needed,
-                                           shutil.disk_usage(storage.root).free) from exc
-                    raise
+                if target.options.tool == "tar2sqfs":
+                    return _squash_stream(target, arrivals, layers, rc, ready)
+                if ready is not None:
+                    layers, ready = arrivals.all(), None
+                target.say(f"merge {len(layers)} layer(s)")
+                view = merge(layers, rc)
+                if work is None:
+                    work = storage.work_dir(target.digest, view.file_bytes)
+                return _squash_tree(target, arrivals, layers, view, work)
             except (BlobDigestError, HostileLayerError) as exc:
                 spoiled = _spoiled_blobs(layers, exc)
                 if attempt == 2 or not spoiled:
                     raise
+                if ready is not None:
+                    layers, ready = _all_or_raise(arrivals, exc), None
                 if work is None:
-                    work = storage.work_dir(digest)
-                layers = _fetch_again(client, storage, repository, layers, spoiled, work, say)
+                    work = storage.work_dir(target.digest)
+                layers = _fetch_again(client, storage, target.ref.repository, layers, spoiled,
+                                      work, target.say)
         raise AssertionError("unreachable")
     finally:
         if work is not None:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _all_or_raise(arrivals: Arrivals, failure: Exception) -> list[LayerSource]:
+    """Every layer, fetched; a fetch that failed meanwhile leaves ``failure`` the error."""
+    try:
+        return arrivals.all()
+    except Exception:
+        raise failure from None
 
 
 def _space_needed(client: RegistryClient, storage: Storage, repository: str, digest: str
@@ -309,8 +302,8 @@ def _spoiled_blobs(layers: list[LayerSource], exc: Exception) -> set[str]:
     before the image is blamed."""
     if isinstance(exc, BlobDigestError):
         return {exc.digest}
-    return {layer.digest for layer in layers
-            if f"sha256:{file_sha256(layer.path)}" != layer.digest}
+    return {layer.digest for layer in layers  # a blob still being fetched is checked then
+            if layer.path.exists() and f"sha256:{file_sha256(layer.path)}" != layer.digest}
 
 
 def _fetch_again(client: RegistryClient, storage: Storage, repository: str,
@@ -359,36 +352,37 @@ class _Counted(io.RawIOBase):
         self._out.flush()
 
 
-def _squash_stream(target: _Target, image: FetchedImage, layers: list[LayerSource],
-                   rc: dict[str, tuple[str, int]]) -> Conversion:
-    """Stream the flattened root into tar2sqfs, each layer read once (``enroot.onepass``);
-    layers that pass cannot place are merged first and read twice (``enroot.flatten``)."""
+def _squash_stream(target: _Target, arrivals: Arrivals, layers: list[LayerSource],
+                   rc: dict[str, tuple[str, int]],
+                   ready: Callable[[int], LayerSource] | None) -> Conversion:
+    """Stream the flattened root into tar2sqfs, each layer read once (``enroot.onepass``)
+    as it arrives (``ready``; None: all in place); layers that pass cannot place are
+    merged first and read twice (``enroot.flatten``)."""
     options, repository = target.options, target.ref.repository
     target.say(f"squash with {options.compression} ({options.tool}), one pass over "
                f"{len(layers)} layer(s)")
-    blob_bytes = sum(layer.path.stat().st_size for layer in layers)
-    advance = target.count(f"squash {repository}", blob_bytes or None)
+    advance = target.count(f"squash {repository}", arrivals.blob_bytes or None)
     done: list[tuple[MergedView, int]] = []
     with atomic_path(target.final, mode=0o644) as tmp:
         try:
-            squash_stream(lambda out: done.append(write_stream_once(layers, rc, out, advance,
-                                                                     options.diff_ids)),
-                          tmp, options)
+            squash_stream(lambda out: done.append(write_stream_once(
+                layers, rc, out, advance, options.diff_ids, ready)), tmp, options)
         except TwoPassesNeeded as why:
             target.say(f"one pass cannot place {why}: merge {len(layers)} layer(s), then "
                        "squash with two passes")
-            view = merge(layers, rc)
+            whole = arrivals.all() if ready is not None else layers
+            view = merge(whole, rc)
             again = target.count(f"squash {repository}", view.file_bytes or None)
             squash_stream(lambda out: done.append(
-                (view, write_stream(view, layers, cast(IO[bytes], _Counted(out, again))))),
+                (view, write_stream(view, whole, cast(IO[bytes], _Counted(out, again))))),
                 tmp, options)
         _sync(tmp)
     view, written = done[-1]
-    return target.result(converted=True, fetched_bytes=image.fetched_bytes, entries=written,
-                         layers=view.counts)
+    return target.result(converted=True, fetched_bytes=arrivals.fetching.fetched_bytes,
+                         entries=written, layers=view.counts)
 
 
-def _squash_tree(target: _Target, image: FetchedImage, layers: list[LayerSource],
+def _squash_tree(target: _Target, arrivals: Arrivals, layers: list[LayerSource],
                  view: MergedView, work: Path) -> Conversion:
     """Unpack the merged view into a private tree and mksquashfs it (lzo-enroot, lz4, none)."""
     written = [0]
@@ -397,8 +391,8 @@ def _squash_tree(target: _Target, image: FetchedImage, layers: list[LayerSource]
         squash_tree(lambda tree: written.__setitem__(0, write_tree(view, layers, tree)),
                     tmp, target.options, work)
         _sync(tmp)
-    return target.result(converted=True, fetched_bytes=image.fetched_bytes, entries=written[0],
-                         layers=view.counts)
+    return target.result(converted=True, fetched_bytes=arrivals.fetching.fetched_bytes,
+                         entries=written[0], layers=view.counts)
 
 
 def _sync(path: Path) -> None:

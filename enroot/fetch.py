@@ -9,9 +9,10 @@ match).
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,20 +64,92 @@ def fetch_blob_cached(client: RegistryClient, storage: Storage, repository: str,
     raise AssertionError("unreachable")
 
 
+class FetchStopped(Exception):
+    """The conversion ended before this fetch did (it failed, or it was interrupted)."""
+
+
+class ImageFetch:
+    """Manifest and config of ``repository@digest`` at once, its layers into the cache in
+    the background over ``connections`` requests, top layer first when ``top_first`` (the
+    one pass reads them that way, and starts on each as soon as it has landed).
+    :meth:`layer` waits for one, :meth:`wait` for all; :meth:`close` stops what is left."""
+
+    def __init__(self, client: RegistryClient, storage: Storage, repository: str, digest: str,
+                 on_bytes: Callable[[int], None] | None = None,
+                 connections: int = MAX_CONNECTIONS, top_first: bool = False) -> None:
+        self.repository = repository
+        self.manifest = client.manifest(repository, digest)
+        config_path, self._config_bytes = fetch_blob_cached(client, storage, repository,
+                                                            self.manifest.config_digest)
+        self.config: dict[str, Any] = json.loads(config_path.read_text())
+        self._descriptors = self.manifest.layers
+        self._storage = storage
+        self._stopped = threading.Event()
+
+        def counted(n: int) -> None:
+            if self._stopped.is_set():
+                raise FetchStopped(f"the fetch of {repository}@{digest[:19]} was stopped")
+            if on_bytes is not None:
+                on_bytes(n)
+
+        order = range(len(self._descriptors))
+        self._pool = ThreadPoolExecutor(max_workers=max(1, connections),
+                                        thread_name_prefix="fetch")
+        self._results: dict[int, Future[tuple[Path, int]]] = {}
+        for index in (reversed(order) if top_first else order):
+            self._results[index] = self._pool.submit(
+                fetch_blob_cached, client, storage, repository,
+                self._descriptors[index]["digest"], counted)
+
+    @property
+    def layer_sizes(self) -> list[int]:
+        """Each layer's compressed size, as the manifest gives it."""
+        return [int(descriptor.get("size", 0)) for descriptor in self._descriptors]
+
+    def _layer(self, index: int, path: Path, fetched: bool) -> Layer:
+        descriptor = self._descriptors[index]
+        return Layer(descriptor["digest"], descriptor.get("mediaType", ""),
+                     descriptor.get("size", 0), path, fetched)
+
+    def planned(self) -> FetchedImage:
+        """The image as it will be once fetched: each layer where the cache keeps it."""
+        layers = [self._layer(index, self._storage.blob(descriptor["digest"]), False)
+                  for index, descriptor in enumerate(self._descriptors)]
+        return FetchedImage(self.repository, self.manifest, self.config, layers, 0)
+
+    def layer(self, index: int) -> Layer:
+        """Layer ``index`` (manifest order) once it is in the cache; its fetch's error."""
+        path, count = self._results[index].result()
+        return self._layer(index, path, count > 0)
+
+    def wait(self) -> FetchedImage:
+        """Every layer in the cache (the first fetch error raised)."""
+        layers = [self.layer(index) for index in range(len(self._descriptors))]
+        return FetchedImage(self.repository, self.manifest, self.config, layers,
+                            self.fetched_bytes)
+
+    @property
+    def fetched_bytes(self) -> int:
+        """Bytes fetched so far (config included) by fetches that finished."""
+        done = [result.result()[1] for result in self._results.values()
+                if result.done() and not result.cancelled() and result.exception() is None]
+        return self._config_bytes + sum(done)
+
+    def close(self) -> None:
+        """Stop the fetches under way (their partial files removed) and drop the rest."""
+        self._stopped.set()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> ImageFetch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def fetch_image(client: RegistryClient, storage: Storage, repository: str, digest: str,
                 on_bytes: Callable[[int], None] | None = None,
                 connections: int = MAX_CONNECTIONS) -> FetchedImage:
     """Manifest, config and every layer of ``repository@digest``, all in the cache."""
-    manifest = client.manifest(repository, digest)
-    config_path, config_bytes = fetch_blob_cached(client, storage, repository,
-                                                  manifest.config_digest)
-    config = json.loads(config_path.read_text())
-    descriptors = manifest.layers
-    with ThreadPoolExecutor(max_workers=max(1, connections)) as pool:
-        results = list(pool.map(
-            lambda d: fetch_blob_cached(client, storage, repository, d["digest"], on_bytes),
-            descriptors))
-    layers = [Layer(d["digest"], d.get("mediaType", ""), d.get("size", 0), path, count > 0)
-              for d, (path, count) in zip(descriptors, results, strict=True)]
-    fetched = config_bytes + sum(n for _, n in results)
-    return FetchedImage(repository, manifest, config, layers, fetched)
+    with ImageFetch(client, storage, repository, digest, on_bytes, connections) as fetching:
+        return fetching.wait()

@@ -1,6 +1,8 @@
 """Layer blobs -> their tar streams, in a process of their own (``python -m
-imgpipe.enroot.inflate SPEC``, SPEC a JSON object: ``layers``, a list of ``{"path": BLOB,
-"hash_blob": bool}``, and ``hash_tar``).
+imgpipe.enroot.inflate SPEC``, SPEC a JSON object ``{"hash_tar": bool}``; the layers
+arrive on stdin, one JSON line ``{"path": BLOB, "hash_blob": bool}`` each, as their blobs
+land in the cache, so that the first layers stream while the last ones are still fetched;
+stdin's end means no more).
 
 Reading a blob, hashing it, decompressing it and hashing the tar is most of a conversion's
 CPU work.  In the converter's own process it shares the GIL with the tar handling, and
@@ -217,7 +219,8 @@ def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
     frames = _Writer(sys.stdout.fileno())
     code = 0
-    for layer in spec["layers"]:
+    for line in sys.stdin.buffer:  # one layer a line, each sent once its blob is in place
+        layer = json.loads(line)
         try:
             summary = stream_layer(layer["path"], layer["hash_blob"], spec["hash_tar"], frames)
         except BrokenPipeError:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from imgpipe.base.process import Producer
@@ -26,19 +28,48 @@ class InflateError(OSError):
     """The inflate process found a broken stream (or died): a layer error to its reader."""
 
 
-class LayerPipe:
-    """One inflate process streaming ``layers`` in the order given."""
+# The k-th layer in reading order, once its blob is in the cache (it may wait for a fetch)
+Arrival = Callable[[int], LayerSource]
 
-    def __init__(self, layers: list[LayerSource], hash_tars: bool = True) -> None:
-        spec = {"hash_tar": hash_tars,
-                "layers": [{"path": str(layer.path), "hash_blob": not layer.hashed}
-                           for layer in layers]}
-        argv = [sys.executable, "-m", inflate.__name__, json.dumps(spec)]
-        self.layers = layers
-        self._producer = Producer(argv, pipe_size=PIPE_SIZE)
+
+class LayerPipe:
+    """One inflate process streaming ``count`` layers in reading order: a thread of this
+    process hands it each layer as ``arrive`` returns it (a fetch finishing), so the first
+    layers stream while later ones are still on the network."""
+
+    def __init__(self, count: int, arrive: Arrival, hash_tars: bool = True) -> None:
+        argv = [sys.executable, "-m", inflate.__name__, json.dumps({"hash_tar": hash_tars})]
+        self.count = count
+        self._producer = Producer(argv, pipe_size=PIPE_SIZE, with_input=True)
+        self.fd = self._producer.fd  # the frames' pipe
+        self._arrived: queue.Queue[LayerSource | BaseException] = queue.Queue()
+        self._feeder = threading.Thread(target=self._feed, args=(arrive,), name="layer-feed",
+                                        daemon=True)
+        self._feeder.start()
+
+    def _feed(self, arrive: Arrival) -> None:
+        try:
+            for index in range(self.count):
+                try:
+                    layer = arrive(index)
+                except BaseException as exc:  # its fetch failed: the converter raises that
+                    self._arrived.put(exc)
+                    return
+                line = json.dumps({"path": str(layer.path), "hash_blob": not layer.hashed})
+                try:
+                    self._producer.send(line.encode() + b"\n")
+                except OSError as exc:  # the process ended: its frames say why
+                    self._arrived.put(InflateError(f"the inflate process ended: {exc}"))
+                    return
+                self._arrived.put(layer)
+        finally:
+            self._producer.end_input()
 
     def readers(self) -> Iterator[PipeReader]:
-        for layer in self.layers:
+        for _ in range(self.count):
+            layer = self._arrived.get()
+            if isinstance(layer, BaseException):
+                raise layer
             reader = PipeReader(self, layer)
             yield reader
             if not reader.ended:
@@ -96,10 +127,11 @@ class PipeReader(ChunkReader):
         self.summary: dict[str, Any] = {}
         self._left = 0  # bytes of the current data frame not read yet
 
-    def _next_chunk(self) -> bytes | None:
+    def _await_data(self) -> bool:
+        """Read frames until one with tar bytes is under way; False at the layer's end."""
         while not self._left:
             if self.ended:
-                return None
+                return False
             kind, length, blob_bytes = self.pipe.frame()
             if kind == b"D":
                 self._left, self.blob_bytes = length, blob_bytes
@@ -110,6 +142,11 @@ class PipeReader(ChunkReader):
             else:
                 self.ended = True
                 raise InflateError(self.pipe.payload(length).decode(errors="replace"))
+        return True
+
+    def _next_chunk(self) -> bytes | None:
+        if not self._await_data():
+            return None
         chunk = self.pipe.read_fd(min(self._left, READ))
         if not chunk:
             raise InflateError("the inflate process ended inside a frame")

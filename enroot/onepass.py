@@ -123,6 +123,9 @@ class OnePass:
     out: _Out
     on_blob_bytes: Callable[[int], None] = lambda n: None
     hash_tars: bool = True
+    # layer number -> its source once the blob is in place (waits for its fetch); None:
+    # ``layers`` are all there
+    ready: Callable[[int], LayerSource] | None = None
     written: int = 0
     _above: _Above = field(default_factory=_Above)
     _emitted: set[Entry] = field(default_factory=set)
@@ -139,13 +142,16 @@ class OnePass:
                 self._above.bury(path)
                 self._above.hold_parents(path)
             order = list(reversed(range(len(self.layers))))
-            with LayerPipe([self.layers[number] for number in order],
-                           self.hash_tars) as pipe:
+            ready = self.ready or self.layers.__getitem__
+            arrived: dict[int, LayerSource] = {}
+            with LayerPipe(len(order), lambda k: ready(order[k]), self.hash_tars) as pipe:
                 for number, source in zip(order, pipe.readers(), strict=True):
-                    self._stream_layer(number, self.layers[number], source)
+                    arrived[number] = source.layer
+                    self._stream_layer(number, source.layer, source)
             builder = ViewBuilder()
-            for number, layer in enumerate(self.layers):
-                builder.add_layer(layer, self._members.pop(number), self._paths.pop(number))
+            for number in range(len(self.layers)):
+                builder.add_layer(arrived[number], self._members.pop(number),
+                                  self._paths.pop(number))
             view = builder.finish(self.rc_files)
             self._finish(view)
             return view
@@ -346,10 +352,14 @@ class OnePass:
 
 def write_stream_once(layers: list[LayerSource], rc_files: dict[str, tuple[str, int]] | None,
                       out: IO[bytes], on_blob_bytes: Callable[[int], None] = lambda n: None,
-                      hash_tars: bool = True) -> tuple[MergedView, int]:
+                      hash_tars: bool = True,
+                      ready: Callable[[int], LayerSource] | None = None
+                      ) -> tuple[MergedView, int]:
     """The flattened root of ``layers`` as one tar stream, each layer read once; returns the
-    view and the entries written.  Raises TwoPassesNeeded (nothing usable written) when
-    the layers need the two-pass converter, HostileLayerError when they are refused."""
-    one = OnePass(layers, rc_files, _Out(out), on_blob_bytes, hash_tars)
+    view and the entries written.  ``ready(number)`` waits until a layer's blob is in place
+    (the layers are fetched while the top ones stream).  Raises TwoPassesNeeded (nothing
+    usable written) when the layers need the two-pass converter, HostileLayerError when
+    they are refused."""
+    one = OnePass(layers, rc_files, _Out(out), on_blob_bytes, hash_tars, ready)
     view = one.run()
     return view, one.written

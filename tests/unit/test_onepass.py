@@ -9,6 +9,7 @@ import hashlib
 import io
 import random
 import tarfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from imgpipe.enroot.flatten import Item, _tarfile_header, tar_header, write_stre
 from imgpipe.enroot.layerstream import LayerSource
 from imgpipe.enroot.merge import merge
 from imgpipe.enroot.onepass import TwoPassesNeeded, write_stream_once
+from imgpipe.registry.errors import RegistryError
 from tests.hostile_layers import CASES, entry, layer
 
 DIR, FILE, SYM, LNK = tarfile.DIRTYPE, tarfile.REGTYPE, tarfile.SYMTYPE, tarfile.LNKTYPE
@@ -247,3 +249,49 @@ def test_headers_are_tarfiles_bytes() -> None:
         item = Item(name, kind, rng.randint(0, 0o7777), rng.choice([0, 1 << 30, 8**11]), size,
                     None, link)
         assert tar_header(item) == _tarfile_header(item), item
+
+
+class _Seen(io.BytesIO):
+    """An output that says when some bytes have gone through it."""
+
+    def __init__(self, marker: bytes) -> None:
+        super().__init__()
+        self.marker, self.seen = marker, threading.Event()
+
+    def write(self, data) -> int:  # type: ignore[no-untyped-def, override]
+        written = super().write(data)
+        if self.marker in self.getvalue()[-(len(data) + len(self.marker)):]:
+            self.seen.set()
+        return written
+
+
+def test_the_top_layer_streams_while_the_lower_ones_are_still_fetched(tmp_path: Path
+                                                                      ) -> None:
+    blobs = [layer(entry("usr/", DIR), entry("usr/base", data=b"bottom bytes")),
+             layer(entry("usr/mid", data=b"middle bytes")),
+             layer(entry("usr/top", data=b"TOP-LAYER-BYTES" * 1000))]
+    layers = sources(tmp_path, blobs, diff_ids=True)
+    out = _Seen(b"TOP-LAYER-BYTES")
+    asked: list[int] = []
+
+    def ready(number: int) -> LayerSource:  # a fetch: the lower layers land only later
+        asked.append(number)
+        if number < 2:
+            assert out.seen.wait(10), "the top layer was not written while this one waited"
+        return layers[number]
+
+    write_stream_once(layers, RC, out, ready=ready)
+    assert asked == [2, 1, 0]
+    assert root_of(out.getvalue()) == root_of(two_passes(layers, RC))
+
+
+def test_a_fetch_that_fails_is_the_error_raised(tmp_path: Path) -> None:
+    layers = sources(tmp_path, [layer(entry("a", data=b"a")), layer(entry("b", data=b"b"))])
+
+    def ready(number: int) -> LayerSource:
+        if number == 0:
+            raise RegistryError("download of the bottom layer broke off")
+        return layers[number]
+
+    with pytest.raises(RegistryError, match="broke off"):
+        write_stream_once(layers, None, io.BytesIO(), ready=ready)
