@@ -153,6 +153,19 @@ class PipeReader(ChunkReader):
         self._left -= len(chunk)
         return chunk
 
+    def splice_into(self, move: Callable[[int, int], int], size: int) -> int:
+        """Up to ``size`` bytes of the stream moved out of the pipe by ``move(fd, count)``
+        (``os.splice`` into another pipe: the kernel hands its pages on, this process never
+        copies them); 0 when bytes already read must go first, or at the layer's end."""
+        if self._at < len(self._chunk) or not self._await_data():
+            return 0
+        moved = move(self.pipe.fd, min(size, self._left))
+        if not moved:
+            raise InflateError("the inflate process ended inside a frame")
+        self._left -= moved
+        self.position += moved
+        return moved
+
     def verify(self, layer: LayerSource) -> None:
         """Read to the end of the layer and compare what the inflate process hashed: the
         blob with its digest (unless this process hashed it as it fetched it), the tar

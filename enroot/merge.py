@@ -40,6 +40,7 @@ from imgpipe.enroot.layerstream import (
     open_layer,
 )
 from imgpipe.enroot.members import Member
+from imgpipe.enroot.tarinfo import FastTarInfo
 
 MAX_NAME = 4095
 MAX_COMPONENT = 255
@@ -138,7 +139,8 @@ def read_members(layer: LayerSource) -> list[Member]:
         with layer_errors(layer, raw):
             # Random-access mode on a forward-seekable decompressor: headers are parsed
             # and file data is skipped by seeking, never copied through Python.
-            with tarfile.open(fileobj=raw, mode="r:", errorlevel=2) as tar:
+            with tarfile.open(fileobj=raw, mode="r:", errorlevel=2,
+                              tarinfo=FastTarInfo) as tar:
                 # The layer's TarInfo objects go with ``tar``: only the slim records stay.
                 members = [Member(info) for info in tar.getmembers()]
                 end = tar.offset

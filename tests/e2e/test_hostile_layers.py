@@ -90,14 +90,26 @@ def test_device_nodes_and_dev_entries_are_dropped_not_fatal(jail, registry_serve
     assert not [p for p in listing if p.startswith("R/dev/") or p == "R/disk"]
 
 
-def test_a_diff_id_other_than_the_content_is_refused(jail, registry_server, tmp_path) -> None:
+def test_a_diff_id_other_than_the_content_is_refused_when_asked(jail, registry_server,
+                                                                 tmp_path) -> None:
     cli, outside = jail
     services.push_image(services.plain_session(), registry_server.url, "hostile/diffid", "1",
                         [BASE], diff_ids=[services.digest_of(b"something else")])
-    code, _, err = cli("convert", f"{registry_server.address}/hostile/diffid:1")
+    ref = f"{registry_server.address}/hostile/diffid:1"
+    cli.write_config({"registry": {"port": registry_server.port},
+                      "outputs": {"squashfs_dir": str(cli.folder / "sqsh")},
+                      "enroot": {"verify_diff_ids": True}})
+    code, _, err = cli("convert", ref)
     assert code == 1
     assert "not to the image config's diff_id" in err and "Traceback" not in err
     assert not list((cli.folder / "sqsh").glob("*.sqsh"))
+    # By default, as Enroot, only the blobs' digests are checked: the root is the same
+    # whatever the config claims, and the conversion goes through.
+    cli.write_config({"registry": {"port": registry_server.port},
+                      "outputs": {"squashfs_dir": str(cli.folder / "sqsh")}})
+    code, _, err = cli("convert", ref)
+    assert code == 0, err
+    assert len(list((cli.folder / "sqsh").glob("*.sqsh"))) == 1
 
 
 def test_an_unknown_layer_media_type_is_refused(jail, registry_server) -> None:
