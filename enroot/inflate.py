@@ -65,6 +65,12 @@ class _Blob:
         return data
 
     def close(self) -> None:
+        # Read once: its pages leave the page cache (a 16 GB image's 7 GB of blobs pushed the
+        # squashfs and everything else a node holds out of it)
+        try:
+            os.posix_fadvise(self.handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
         self.handle.close()
 
 
