@@ -4,9 +4,11 @@ every hostile layer the merge refuses; its headers are tarfile's bytes."""
 
 from __future__ import annotations
 
+import ctypes
 import gzip
 import hashlib
 import io
+import mmap
 import os
 import random
 import tarfile
@@ -321,3 +323,35 @@ def test_large_files_moved_pipe_to_pipe_arrive_whole(tmp_path: Path) -> None:
     root = root_of(piped)
     assert root["lib/big.so"][3] == big and root["lib/odd.so"][3] == odd
     assert "lib/small" not in root
+
+
+def resident_pages(path: Path) -> int:
+    """How many of ``path``'s pages are in the page cache (mincore(2))."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, handle.fileno(), 0)
+    assert address not in (None, ctypes.c_void_p(-1).value)
+    pages = (ctypes.c_ubyte * ((size + mmap.PAGESIZE - 1) // mmap.PAGESIZE))()
+    try:
+        assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), pages) == 0
+    finally:
+        libc.munmap(ctypes.c_void_p(address), ctypes.c_size_t(size))
+    return sum(page & 1 for page in pages)
+
+
+def test_blobs_read_through_leave_the_page_cache(tmp_path: Path) -> None:
+    """A conversion reads each blob once: its pages must not push a node's other files
+    (the squashfs it is about to run) out of memory."""
+    [made] = sources(tmp_path, [layer(entry("lib/big.so",
+                                            data=random.Random(3).randbytes(4 << 20)))])
+    with open(made.path, "rb+") as handle:
+        os.fsync(handle.fileno())  # written back: clean pages, which the kernel may drop
+        while handle.read(1 << 20):
+            pass
+    assert resident_pages(made.path) > 0
+    assert root_of(one_pass([made], diff_ids=False))["lib/big.so"][3][:4]
+    assert resident_pages(made.path) == 0
