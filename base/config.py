@@ -33,6 +33,9 @@ class CredentialsConfig(_Strict):
         default=None,
         description="docker config.json or netrc path; default ~/.docker/config.json or ~/.netrc",
     )
+    allow_http: bool = Field(default=False, description="send these credentials over plain "
+                             "http (anyone on the network reads them); without it a login "
+                             "the registry asks for over http is refused")
 
 
 class ServerConfig(_Strict):
@@ -140,8 +143,20 @@ class EnrootConfig(_Strict):
                            "the image (imgpipe push --squashfs) when a pin names it, instead "
                            "of converting; false: always convert (--no-prebuilt)")
     prebuilt_unpinned: bool = Field(default=False, description="also use a published squashfs "
-                                    "no pin names (the registry is trusted; checked against "
-                                    "the image's layers)")
+                                    "no pin names: this trusts every account that can push "
+                                    "to the registry (and, over plain http, the network) to "
+                                    "attach only genuine squashfs files; the file is still "
+                                    "checked for device nodes and for set-id files the "
+                                    "image's layers lack.  In a shared cache it opts in for "
+                                    "your own jobs only: others never receive what it fetched")
+    cache_owner: str | None = Field(default=None, description="the service account that, with "
+                                    "root, owns the shared squashfs folder's layout and writes "
+                                    "the entries every user's jobs take as they are (`imgpipe "
+                                    "node-config --make-cache`); job users' own conversions "
+                                    "are theirs alone")
+    lock_timeout_s: float = Field(default=3600.0, gt=0, description="give up waiting for "
+                                  "another process's conversion of the same digest after this "
+                                  "long, naming the holder")
     publish_compressions: list[Literal["zstd", "lz4", "lzo-enroot", "none"]] = Field(
         default=["zstd"], min_length=1, description="what `imgpipe push --squashfs` publishes "
         "(lzo-enroot for nodes with kernels older than 4.14)")

@@ -114,10 +114,36 @@ def _umask() -> int:
     return 0o022
 
 
+class NotRegularFileError(OSError):
+    """A path where a regular file belongs holds a link, a FIFO, a device or a folder."""
+
+
+def open_regular(path: str | os.PathLike[str], flags: int = os.O_RDONLY) -> int:
+    """A descriptor of the regular file at ``path``, never through a link: in a folder other
+    users write, a link or a FIFO planted at a cache path must not redirect or hang a read.
+    Raises NotRegularFileError (an OSError) for anything but a regular file."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise NotRegularFileError(errno.EINVAL, "not a regular file (refused)", str(path))
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: str | os.PathLike[str]) -> bytes:
+    """The bytes of the regular file at ``path`` (see :func:`open_regular`)."""
+    with os.fdopen(open_regular(path), "rb") as handle:
+        return handle.read()
+
+
 def file_sha256(path: str | os.PathLike[str]) -> str:
-    """Hex sha256 of a file's content, read in 1 MiB blocks."""
+    """Hex sha256 of a file's content, read in 1 MiB blocks (a regular file, no link)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
+    with os.fdopen(open_regular(path), "rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()

@@ -21,6 +21,7 @@ Configuration comes from ``$IMGPIPE_CONFIG`` or ``/etc/imgpipe/imgpipe.yaml``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import TYPE_CHECKING, Any
@@ -35,12 +36,36 @@ DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SCHEME = "127.0.0.1", 5000, "http"
 DEFAULT_SQUASHFS_DIR = "build/squashfs"
 
 
+def _record_dir() -> str:
+    """A folder of this user's alone for the step records: $XDG_RUNTIME_DIR, else
+    ~/.cache/imgpipe (never a predictable name in a shared /tmp); made 0700 and checked to
+    be the user's own, not a link."""
+    import stat
+
+    candidates = [os.environ.get("XDG_RUNTIME_DIR", "")]
+    home = os.path.expanduser("~")
+    if home and home != "~":
+        candidates.append(os.path.join(home, ".cache", "imgpipe"))
+    for folder in filter(None, candidates):
+        try:
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            info = os.lstat(folder)
+        except OSError:
+            continue
+        if (stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()
+                and not info.st_mode & 0o077):
+            return folder
+    raise OSError(f"no private folder for the step record: neither $XDG_RUNTIME_DIR nor "
+                  f"{candidates[-1]} is a folder of yours alone (mode 0700)")
+
+
 def _step_record() -> str:
     """This user's record of what this step got (the release path needs only ``os``)."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    import socket
+
     job = os.environ.get("SLURM_JOB_ID", "nojob")
     step = os.environ.get("SLURM_STEP_ID", "nostep")
-    return os.path.join(runtime, f"imgpipe-importer.{os.getuid()}.{job}.{step}")
+    return os.path.join(_record_dir(), f"importer.{socket.gethostname()}.{job}.{step}")
 
 
 def _config_file() -> str | None:
@@ -72,7 +97,11 @@ def quick_settings(path: str | None) -> dict[str, Any] | None:
     root = Path(path).resolve().parent if path else Path.cwd()
     folder = Path(str(outputs.get("squashfs_dir", DEFAULT_SQUASHFS_DIR)))
     credentials = (registry.get("credentials") or {}).get("source", "none")
+    owner = enroot.get("cache_owner")
+    if owner is not None and not isinstance(owner, str):
+        return None
     return {
+        "cache_owner": owner,
         "address": f"{registry.get('host', DEFAULT_HOST)}:{registry.get('port', DEFAULT_PORT)}",
         "scheme": registry.get("scheme", DEFAULT_SCHEME),
         "plain": credentials == "none" and not registry.get("ca_file"),
@@ -107,7 +136,9 @@ def _head_digest(scheme: str, address: str, repository: str, tag: str) -> str | 
 
 def fast_get(uri: str) -> Path | None:
     """The squashfs of an already converted image, or None to take the full path."""
+    from imgpipe.enroot.pins import PINS_ENV, pins_in
     from imgpipe.enroot.storage import Storage
+    from imgpipe.enroot.trust import CacheTrust
     from imgpipe.registry.errors import ReferenceFormatError
     from imgpipe.registry.reference import Reference
 
@@ -128,11 +159,18 @@ def fast_get(uri: str) -> Path | None:
                               ref.reference)
         if digest is None:
             return None
-    storage = Storage(quick["squashfs_dir"])
     try:
-        return storage.find_squashfs(digest, quick["compression"])
+        storage = Storage(quick["squashfs_dir"], CacheTrust.of(quick["cache_owner"]))
+        if storage.shared and not quick["squashfs_dir"].stat().st_mode & 0o1000:
+            return None  # the full path refuses it with its one line
+        return storage.find_squashfs(ref.repository, digest, quick["compression"],
+                                     pins_in(os.environ.get(PINS_ENV, ""), digest), _say)
     except Exception:  # anything unexpected: the full path, with its errors, decides
         return None
+
+
+def _say(text: str) -> None:
+    print(f"imgpipe: {text}", file=sys.stderr, flush=True)
 
 
 def get(uri: str) -> Path:
@@ -150,7 +188,7 @@ def get(uri: str) -> Path:
         registry_client(settings), storage(settings), ref,
         SquashOptions(compression_of(enroot.default_compression), enroot.zstd_level,
                       enroot.processors, enroot.verify_diff_ids),
-        say=lambda text: print(f"imgpipe: {text}", file=sys.stderr, flush=True),
+        say=_say,
         connections=enroot.max_connections,
         prebuilt=Prebuilt(enroot.prebuilt, unpinned=enroot.prebuilt_unpinned))
     if conversion.converted and enroot.cache_max_size:
@@ -165,34 +203,48 @@ def _record(squashfs: Path) -> None:
     """Record this step's use of ``squashfs`` (so prune keeps it) and remember it for
     release, in a file only this user reads, never written through a link."""
     from imgpipe.enroot.storage import Storage
+    from imgpipe.enroot.trust import CacheTrust
     from imgpipe.enroot.usage import record_use
 
-    marker = record_use(Storage(squashfs.parent), squashfs,
-                        os.environ.get("SLURM_JOB_ID", "nojob"),
+    quick = quick_settings(_config_file()) or {}
+    cache = Storage(squashfs.parent, CacheTrust.of(quick.get("cache_owner")))
+    marker = record_use(cache, squashfs, os.environ.get("SLURM_JOB_ID", "nojob"),
                         os.environ.get("SLURM_STEP_ID", "nostep"))
-    fd = os.open(_step_record(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as record:
-        record.write(f"{squashfs}\n{marker}\n")
+    record = _step_record()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(record)
+    fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(f"{cache.uses.resolve()}\n{marker.name}\n")
 
 
 def release() -> None:
-    """End this step's use of the entry it got; the shared file itself always stays."""
+    """End this step's use of the entry it got; the shared file itself always stays.  The
+    record must be this user's own regular file, and the marker it names this user's,
+    directly in the uses folder it recorded (compared after resolving the path)."""
+    import stat
+
     record = _step_record()
     try:
-        fd = os.open(record, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(record, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         return  # released already (Pyxis calls release twice), or nothing was got
     with os.fdopen(fd) as handle:
-        lines = handle.read().splitlines()
-    if len(lines) > 1 and "/.imgpipe/uses/" in lines[1]:
-        try:
-            os.unlink(lines[1])
-        except FileNotFoundError:
-            pass
-    try:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            raise OSError(f"{record} is not your own step record: refused")
+        lines = handle.read(8192).splitlines()
+    if len(lines) == 2:
+        uses, name = lines
+        mine = f"~{os.getuid()}~"
+        if (os.path.basename(uses) == "uses" and "/" not in name and mine in name
+                and os.path.realpath(uses) == uses):
+            marker = os.path.join(uses, name)
+            with contextlib.suppress(FileNotFoundError):
+                if os.lstat(marker).st_uid == os.getuid():
+                    os.unlink(marker)
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(record)
-    except FileNotFoundError:
-        pass
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,7 @@ from imgpipe.base.progress import Progress
 from imgpipe.commands.pushed import catalog_image, find_pushed, require_pushed
 from imgpipe.commands.wiring import registry_client, registry_credentials
 from imgpipe.enroot.nodeconfig import nodes_enroot, takes_digests
-from imgpipe.enroot.prebuilt import PINS_ENV, pins_text
+from imgpipe.enroot.pins import PINS_ENV, pins_text
 from imgpipe.enroot.published import find_published
 from imgpipe.pipeline.lock import LockEntry, lock_path, read_lock
 from imgpipe.recipes.profiles import Profile, load_profile

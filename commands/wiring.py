@@ -7,6 +7,7 @@ from collections.abc import Callable
 from imgpipe.base.config import Settings
 from imgpipe.enroot.squash import SquashOptions, compression_of
 from imgpipe.enroot.storage import Storage
+from imgpipe.enroot.trust import CacheTrust
 from imgpipe.registry.auth import (
     Credentials,
     credentials_from_docker_config,
@@ -30,11 +31,13 @@ def registry_client(settings: Settings) -> RegistryClient:
     registry = settings.registry
     ca_file = settings.path(registry.ca_file) if registry.ca_file else None
     return RegistryClient(registry.url, credentials=registry_credentials(settings), ca_file=ca_file,
-                          timeout=(registry.connect_timeout_s, registry.read_timeout_s))
+                          timeout=(registry.connect_timeout_s, registry.read_timeout_s),
+                          allow_http=registry.credentials.allow_http)
 
 
 def storage(settings: Settings) -> Storage:
-    return Storage(settings.path(settings.outputs.squashfs_dir).resolve())
+    return Storage(settings.path(settings.outputs.squashfs_dir).resolve(),
+                   CacheTrust.of(settings.enroot.cache_owner), settings.enroot.lock_timeout_s)
 
 
 def squash_options(settings: Settings, image_choice: str | None = None,

@@ -17,7 +17,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -137,31 +137,44 @@ def convert(client: RegistryClient, storage: Storage, ref: Reference,
     swept = storage.sweep()
     if swept:
         say(f"removed {swept} leftover(s) of interrupted runs")
-    if ref.digest:  # pinned: no network needed when it was converted before
-        existing = storage.find_squashfs(ref.digest, options.compression)
+    policy = prebuilt.pinned_for(ref.digest) if prebuilt and ref.digest else prebuilt
+    if ref.digest:  # pinned: no network needed when it was converted (or fetched) before
+        existing = storage.find_squashfs(ref.repository, ref.digest, options.compression,
+                                         _pins(policy), say)
         if existing is not None:
             return Conversion(str(ref), ref.digest, existing, False,
                               time.monotonic() - started, existing.stat().st_size,
                               options.compression)
     digest = resolve_digest(client, ref)
+    policy = prebuilt.pinned_for(digest) if prebuilt else None
     target = _Target(ref, digest, storage.squashfs(ref.repository, digest, options.compression),
                      options, say, started, *([count] if count else []))
-    if target.final.exists():
-        return target.result(converted=False)
+
+    def found() -> Conversion | None:
+        path = storage.find_squashfs(ref.repository, digest, options.compression,
+                                     _pins(policy), say)
+        return None if path is None else replace(target, final=path).result(converted=False)
+
+    if (done := found()) is not None:
+        return done
     with storage.lock(digest, on_wait=say):
-        if target.final.exists():  # another process converted it while we waited
-            return target.result(converted=False)
+        if (done := found()) is not None:  # another process made it while we waited
+            return done
         removed = storage.clean_stale(digest)
         if removed:
             say(f"removed {removed} leftover(s) of an interrupted conversion")
         if with_enroot:
             return _convert_with_enroot(client, target)
-        if prebuilt is not None and prebuilt.use:
-            fetched = _fetch_prebuilt(client, storage, target, prebuilt.pinned_for(digest),
-                                      connections)
+        if policy is not None and policy.use:
+            fetched = _fetch_prebuilt(client, storage, target, policy, connections)
             if fetched is not None:
                 return fetched
         return _convert_locked(client, storage, target, connections)
+
+
+def _pins(policy: Prebuilt | None) -> frozenset[str]:
+    """The squashfs digests a pinned lookup takes (none when published files are off)."""
+    return policy.pins if policy is not None and policy.use else frozenset()
 
 
 def convert_privately(client: RegistryClient, storage: Storage, ref: Reference,
@@ -192,13 +205,13 @@ def _fetch_prebuilt(client: RegistryClient, storage: Storage, target: _Target,
         return merge(layer_sources(image), rc_files(image.config))
 
     fetched = try_prebuilt(client, storage, repository, target.digest,
-                           target.options.compression, target.final, policy, layers_view,
-                           target.say,
+                           target.options.compression, policy, layers_view, target.say,
                            lambda total: target.count(f"fetch squashfs {repository}", total))
     if fetched is None:
         return None
-    return target.result(converted=True, fetched_bytes=fetched.received,
-                         entries=fetched.entries, prebuilt=fetched.published.blob)
+    return replace(target, final=fetched.path).result(
+        converted=not fetched.cached, fetched_bytes=fetched.received, entries=fetched.entries,
+        prebuilt=fetched.published.blob)
 
 
 def _convert_with_enroot(client: RegistryClient, target: _Target) -> Conversion:

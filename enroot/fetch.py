@@ -8,7 +8,9 @@ match).
 
 from __future__ import annotations
 
+import hashlib
 import json
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -17,7 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from imgpipe.enroot.storage import Storage
+from imgpipe.base.files import read_regular
+from imgpipe.enroot.errors import BlobDigestError, ConvertError
+from imgpipe.enroot.storage import Storage, digest_hex
 from imgpipe.registry.client import Manifest, RegistryClient
 from imgpipe.registry.errors import DigestMismatchError, RegistryError
 
@@ -47,8 +51,18 @@ def fetch_blob_cached(client: RegistryClient, storage: Storage, repository: str,
                       on_bytes: Callable[[int], None] | None = None) -> tuple[Path, int]:
     """The cached path of ``digest``, fetching it if needed; returns (path, bytes fetched)."""
     path = storage.blob(digest)
-    if path.exists():
-        return path, 0
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        pass
+    else:
+        if stat.S_ISREG(info.st_mode):
+            return path, 0  # whoever wrote it, its bytes are hashed wherever they are used
+        # A link, FIFO or folder planted at a blob's name: never read through; this user's
+        # own copy is fetched into its private folder instead.
+        path = storage.private_dir() / digest_hex(digest)
+        if path.exists():
+            return path, 0
     for attempt in range(1, ATTEMPTS + 1):
         try:
             client.fetch_blob(repository, digest, path, progress=on_bytes)
@@ -62,6 +76,33 @@ def fetch_blob_cached(client: RegistryClient, storage: Storage, repository: str,
                 raise
             time.sleep(0.5 * attempt)
     raise AssertionError("unreachable")
+
+
+def read_config(client: RegistryClient, storage: Storage, repository: str, digest: str
+                ) -> tuple[dict[str, Any], int]:
+    """The image config (it becomes /etc/rc and /etc/environment), from the cache when there,
+    its digest checked on the very bytes parsed; cached bytes that do not match are fetched
+    again into this user's private folder.  Returns (config, bytes fetched)."""
+    path, fetched = fetch_blob_cached(client, storage, repository, digest)
+    try:
+        raw = read_regular(path)
+    except OSError:
+        raw = b""
+    if f"sha256:{hashlib.sha256(raw).hexdigest()}" != digest:
+        private = storage.private_dir() / digest.replace(":", "-")
+        client.fetch_blob(repository, digest, private)
+        raw = read_regular(private)
+        private.unlink(missing_ok=True)
+        if f"sha256:{hashlib.sha256(raw).hexdigest()}" != digest:  # changed under our feet
+            raise BlobDigestError(digest, f"sha256:{hashlib.sha256(raw).hexdigest()}", private)
+        fetched = len(raw)
+    try:
+        config = json.loads(raw)
+    except ValueError as exc:
+        raise ConvertError(f"the image config {digest[:19]} of {repository} is not JSON") from exc
+    if not isinstance(config, dict):
+        raise ConvertError(f"the image config {digest[:19]} of {repository} is not an object")
+    return config, fetched
 
 
 class FetchStopped(Exception):
@@ -79,9 +120,8 @@ class ImageFetch:
                  connections: int = MAX_CONNECTIONS, top_first: bool = False) -> None:
         self.repository = repository
         self.manifest = client.manifest(repository, digest)
-        config_path, self._config_bytes = fetch_blob_cached(client, storage, repository,
-                                                            self.manifest.config_digest)
-        self.config: dict[str, Any] = json.loads(config_path.read_text())
+        self.config, self._config_bytes = read_config(client, storage, repository,
+                                                      self.manifest.config_digest)
         self._descriptors = self.manifest.layers
         self._storage = storage
         self._stopped = threading.Event()

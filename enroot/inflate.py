@@ -34,6 +34,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any, BinaryIO, cast
 
+from imgpipe.base.files import open_regular
+
 FRAME = struct.Struct("<cQQ")  # kind, payload length, blob bytes read so far
 GZIP_MAGIC = b"\x1f\x8b"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -46,7 +48,7 @@ class _Blob:
     """A blob read in order, counted and (optionally) hashed."""
 
     def __init__(self, path: str, hashing: bool) -> None:
-        self.handle = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
+        self.handle = os.fdopen(open_regular(path), "rb", buffering=0)  # noqa: SIM115
         self.count = 0
         self.sha256 = hashlib.sha256() if hashing else None
 
@@ -202,8 +204,7 @@ def stream_layer(path: str, hash_blob: bool, hash_tar: bool, frames: _Writer
     """Frames of one layer's tar onto ``frames``; its summary."""
     blob = _Blob(path, hash_blob)
     try:
-        with open(path, "rb") as peek:
-            magic = peek.read(4)
+        magic = os.pread(blob.handle.fileno(), 4, 0)
         tar_sha256 = hashlib.sha256() if hash_tar else None
         total = 0
         for out in tar_chunks(blob, magic):

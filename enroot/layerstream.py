@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import queue
 import threading
 import zlib
@@ -29,6 +30,7 @@ from typing import Any, BinaryIO, Protocol, cast
 import zstandard
 from isal.igzip_lib import IsalError
 
+from imgpipe.base.files import open_regular
 from imgpipe.enroot.errors import BlobDigestError, HostileLayerError
 from imgpipe.enroot.inflate import gunzip
 
@@ -267,7 +269,7 @@ class ForwardReader(ChunkReader):
 def open_layer(path: Path, verify: bool = True) -> ForwardReader:
     """The uncompressed tar stream of a layer blob (gzip, zstd or plain, by magic), hashed
     on the way for :meth:`ForwardReader.verify` unless ``verify`` is False."""
-    handle = open(path, "rb", buffering=0)
+    handle = os.fdopen(open_regular(path), "rb", buffering=0)
     try:
         magic = handle.read(4)
         handle.seek(0)

@@ -128,9 +128,10 @@ def layer_errors(layer: LayerSource, source: TarSource) -> Iterator[None]:
 def read_members(layer: LayerSource) -> list[Member]:
     """Every member header of a layer, in order (data skipped by seeking forward)."""
     try:
-        # Pass 1 checks structure only: pass 2 verifies every byte it publishes, and a blob
-        # spoiled in the cache fails here on its structure or there on its digest.
-        raw = open_layer(layer.path, verify=False)
+        # Pass 1 verifies the blob too: pass 2 places bytes by the headers and offsets read
+        # here, so they must come from the very bytes the digest names (a shared cache's
+        # blob can change between the passes; pass 2 verifies its own read again).
+        raw = open_layer(layer.path)
     except OSError as exc:
         raise HostileLayerError(layer.digest, "(blob)", f"cannot read: {exc}") from exc
     with raw:
@@ -146,6 +147,7 @@ def read_members(layer: LayerSource) -> list[Member]:
                 end = tar.offset
         with layer_errors(layer, raw):
             check_end(raw, end, layer)
+            raw.verify(layer)
         return members
 
 

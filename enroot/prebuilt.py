@@ -22,12 +22,11 @@ from pathlib import Path
 
 from imgpipe.enroot.errors import ConvertError
 from imgpipe.enroot.merge import MergedView
+from imgpipe.enroot.pins import PINS_ENV, pins_in
 from imgpipe.enroot.published import PublishedSquashfs, fetch, find_published, layers_setuid
-from imgpipe.enroot.storage import Storage
+from imgpipe.enroot.storage import Storage, fetched_stem
 from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.errors import DigestMismatchError
-
-PINS_ENV = "IMGPIPE_SQUASHFS_PINS"
 
 
 @dataclass(frozen=True)
@@ -45,26 +44,13 @@ class Prebuilt:
         return Prebuilt(self.use, self.pins | extra, self.unpinned) if extra else self
 
 
-def pins_in(text: str, image_digest: str) -> frozenset[str]:
-    """The squashfs digests ``IMAGE=SQUASHFS`` pairs (blank-separated) pin for an image."""
-    pins = set()
-    for pair in text.split():
-        image, _, squashfs = pair.partition("=")
-        if image == image_digest and squashfs.startswith("sha256:") and len(squashfs) == 71:
-            pins.add(squashfs)
-    return frozenset(pins)
-
-
-def pins_text(pairs: Mapping[str, str]) -> str:
-    """``{image digest: squashfs digest}`` as the value of IMGPIPE_SQUASHFS_PINS."""
-    return " ".join(f"{image}={squashfs}" for image, squashfs in sorted(pairs.items()))
-
-
 @dataclass(frozen=True)
 class Fetched:
     published: PublishedSquashfs
+    path: Path  # the cache entry, named by the squashfs's own digest
     received: int
     entries: int
+    cached: bool = False  # a usable entry of that digest was there already
 
 
 def _choose(candidates: list[PublishedSquashfs], policy: Prebuilt, name: str,
@@ -87,25 +73,31 @@ def _choose(candidates: list[PublishedSquashfs], policy: Prebuilt, name: str,
 
 
 def try_prebuilt(client: RegistryClient, storage: Storage, repository: str, digest: str,
-                 compression: str, final: Path, policy: Prebuilt,
+                 compression: str, policy: Prebuilt,
                  layers_view: Callable[[], MergedView], say: Callable[[str], None],
                  count: Callable[[int | None], Callable[[int], None]]) -> Fetched | None:
-    """Fetch the published squashfs of ``repository@digest`` into ``final`` when the
-    policy trusts one (call with the digest's lock held); None: convert."""
+    """Fetch the published squashfs of ``repository@digest`` into the cache, under its own
+    digest's name, when the policy trusts one (call with the digest's lock held); None:
+    convert."""
     name = f"{repository}@{digest[:19]}"
-    candidates = find_published(client, repository, digest, compression)
+    candidates = find_published(client, repository, digest, compression, say)
     if not candidates:
         say(f"no published squashfs of {name} ({compression}): converting")
         return None
     chosen = _choose(candidates, policy, name, say)
     if chosen is None:
         return None
+    existing = storage.find_squashfs(repository, digest, compression,
+                                     frozenset({chosen.blob}), say)
+    if existing is not None and existing.name.startswith(fetched_stem(repository, chosen.blob)):
+        return Fetched(chosen, existing, 0, chosen.entries, cached=True)
     allowed = None if chosen.blob in policy.pins else layers_setuid(layers_view())
     say(f"fetch published squashfs {chosen.blob[:19]} ({chosen.size / 1e6:.1f} MB)")
+    final = storage.fetched(repository, chosen.blob)
     try:
         received, entries = fetch(client, storage, chosen, final, allowed, count(chosen.size))
     except (DigestMismatchError, ConvertError) as exc:
         say(f"refused published squashfs {chosen.blob[:19]}: {exc}; converting")
         return None
     say(f"fetched published squashfs {chosen.blob} of {name}")
-    return Fetched(chosen, received, entries)
+    return Fetched(chosen, final, received, entries)

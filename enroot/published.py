@@ -16,6 +16,7 @@ import datetime as dt
 import json
 import os
 import re
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
@@ -23,9 +24,10 @@ from pathlib import Path
 
 from imgpipe.base import process
 from imgpipe.base.files import atomic_path
-from imgpipe.enroot.errors import ConvertError
+from imgpipe.enroot.errors import ConvertError, NoSpaceError
 from imgpipe.enroot.merge import MergedView
-from imgpipe.enroot.storage import FORMAT, Storage, digest_hex
+from imgpipe.enroot.storage import FORMAT, Storage
+from imgpipe.enroot.trust import shown
 from imgpipe.registry.client import Manifest, RegistryClient
 from imgpipe.registry.errors import RegistryError
 from imgpipe.registry.mediatypes import OCI_MANIFEST
@@ -44,6 +46,8 @@ VERSION = "org.imgpipe.version"
 CREATED = "org.opencontainers.image.created"
 TITLE = "org.opencontainers.image.title"
 
+MAX_REFERRERS = 64  # artifacts read per subject: bounded work whatever a pusher lists
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 # rdsquashfs --describe: "KIND PATH MODE UID GID ...", PATH quoted when it holds blanks
 DESCRIBED = re.compile(r'^(\w+) ("(?:[^"\\]|\\.)*"|\S+) ([0-7]+) ')
 
@@ -77,11 +81,19 @@ def imgpipe_version() -> str:
 
 def _from_manifest(repository: str, subject: str, manifest: Manifest
                    ) -> PublishedSquashfs | None:
-    body = manifest.body
+    try:
+        body = manifest.body
+    except (ValueError, RegistryError):
+        return None
+    if not isinstance(body, dict) or not isinstance(body.get("layers") or [], list) \
+            or not isinstance(body.get("subject") or {}, dict) \
+            or not isinstance(body.get("annotations") or {}, dict):
+        return None
     layers = body.get("layers") or []
     notes = body.get("annotations") or {}
     if (body.get("artifactType") != ARTIFACT_TYPE or len(layers) != 1
             or (body.get("subject") or {}).get("digest") != subject
+            or not isinstance(layers[0], dict)
             or layers[0].get("mediaType") != SQUASHFS_MEDIA_TYPE):
         return None
     try:
@@ -94,23 +106,48 @@ def _from_manifest(repository: str, subject: str, manifest: Manifest
 
 
 def find_published(client: RegistryClient, repository: str, subject: str,
-                   compression: str | None = None) -> list[PublishedSquashfs]:
+                   compression: str | None = None,
+                   say: Callable[[str], None] | None = None) -> list[PublishedSquashfs]:
     """The squashfs artifacts of ``subject`` (of this FORMAT, and ``compression`` if given),
-    newest listed last."""
-    found = []
-    for descriptor in referrers(client, repository, subject, ARTIFACT_TYPE):
+    newest listed last.  Anyone who can push can list anything under a subject: at most
+    MAX_REFERRERS descriptors are read, each manifest bounded and digest-checked, and one
+    that is not a squashfs artifact of this subject is skipped with one line to ``say``,
+    never failing the caller."""
+    found: list[PublishedSquashfs] = []
+    try:
+        listed = referrers(client, repository, subject, ARTIFACT_TYPE)
+    except RegistryError as exc:
+        _skipped(say, f"the referrers of {repository}@{subject[:19]}: {exc.message}")
+        return found
+    if len(listed) > MAX_REFERRERS:
+        _skipped(say, f"{len(listed) - MAX_REFERRERS} referrer(s) of {repository}@"
+                 f"{subject[:19]} past the first {MAX_REFERRERS}")
+    for descriptor in listed[:MAX_REFERRERS]:
+        digest = descriptor.get("digest")
+        if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+            _skipped(say, f"a referrer of {repository}@{subject[:19]} without a valid digest")
+            continue
         try:
-            manifest = client.manifest(repository, descriptor["digest"])
+            manifest = client.manifest_exactly(repository, digest)
         except RegistryError as exc:
-            if exc.status == 404:  # listed, but deleted since
-                continue
-            raise
+            if exc.status != 404:  # 404: listed, but deleted since
+                _skipped(say, f"referrer {digest[:19]} of {repository}: {exc.message}")
+            continue
         published = _from_manifest(repository, subject, manifest)
-        if published is None or published.format != FORMAT:
+        if published is None:
+            _skipped(say, f"referrer {digest[:19]} of {repository}: not a squashfs "
+                     f"artifact of {subject[:19]}")
+            continue
+        if published.format != FORMAT:
             continue
         if compression is None or published.compression == compression:
             found.append(published)
     return found
+
+
+def _skipped(say: Callable[[str], None] | None, what: str) -> None:
+    if say is not None:
+        say(f"skipped {shown(what)}")
 
 
 def publish(client: RegistryClient, repository: str, subject: Manifest, squashfs: Path,
@@ -149,8 +186,9 @@ def publish(client: RegistryClient, repository: str, subject: Manifest, squashfs
 
 
 def partial_path(storage: Storage, blob: str) -> Path:
-    """Where this user's download of ``blob`` collects (kept for a resume; never swept)."""
-    return storage.tmp / f"sqsh-{digest_hex(blob)}.u{os.getuid()}.part"
+    """Where this user's download of ``blob`` collects: in the user's private folder (no
+    other user can name or plant it there), kept for a resume, swept after a day."""
+    return storage.private_dir() / f"sqsh-{blob.partition(':')[2]}.part"
 
 
 def described(path: Path) -> list[tuple[str, str, int]]:
@@ -204,8 +242,11 @@ def fetch(client: RegistryClient, storage: Storage, published: PublishedSquashfs
     lock held): resumed from this user's partial download, digest verified, contents
     checked, published atomically.  Returns (bytes received, entries)."""
     partial = partial_path(storage, published.blob)
+    free = shutil.disk_usage(storage.root).free
+    if free < published.size:
+        raise NoSpaceError(storage.root, published.size, free)
     received = fetch_resumable(client, published.repository, published.blob, partial,
-                               progress)
+                               progress, published.size)
     try:
         entries = check_contents(partial, allowed_setuid)
         with atomic_path(final, mode=0o644) as tmp:

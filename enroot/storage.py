@@ -3,25 +3,32 @@
 Layout under ``root`` (the cluster filesystem, shared by every node)::
 
     <repo>+sha256-<hex>+<compression>-f<N>.sqsh
-                                  published squashfs files, keyed by manifest digest,
-                                  compression and FORMAT (what a conversion puts in one)
+                                  conversions, keyed by manifest digest, compression and
+                                  FORMAT (what a conversion puts in one)
+    <repo>+squashfs-sha256-<hex>.sqsh
+                                  published squashfs files fetched from the registry,
+                                  keyed by their own digest (what pins name)
+    <either name>.u<uid>.sqsh     the same, made by job user <uid> in a shared cache
     .imgpipe/VERSION              layout version
     .imgpipe/CACHEDIR.TAG         tells backup tools this is a cache
-    .imgpipe/blobs/sha256/<hex>   verified registry blobs, shared by all images
-    .imgpipe/locks/<hex>.lock     one lock per digest (fcntl.lockf: works over NFS)
+    .imgpipe/blobs/sha256/<hex>   registry blobs, shared by all images (hashed on every use)
+    .imgpipe/locks/<hex>[.u<uid>].lock  one lock per digest (fcntl.lockf: works over NFS)
     .imgpipe/tmp/                 work areas of running conversions
+    .imgpipe/tmp/u<uid>/          a user's partial downloads and private copies (0700)
+    .imgpipe/uses/                which job steps use which entry (enroot.usage)
 
 Temporary names carry host and PID, so processes on many hosts never collide;
 whoever holds a digest's lock may delete any temporary of that digest, since
 nobody else can be writing it.
 
 Shared by every user: Pyxis runs the importer as the job's user, so on a cluster the
-root folder is world-writable with the sticky bit (``install -d -m 1777``) or
-group-writable with setgid and sticky (3775).  A cache folder that others may write
-without the sticky bit is refused: they could rename files away and plant their own.
-The folders imgpipe creates under it take the root's mode; lock files are created
-once, exclusively, readable and writable by all (fcntl locks need a file every user
-can open), and opened without following links.
+root folder is world-writable with the sticky bit (1777) or group-writable with setgid
+and sticky (3775), and root or the service account made the layout (``imgpipe
+node-config --make-cache``).  Who is trusted with what is ``enroot.trust``'s: entries
+are found by exact name and used only when you, root or the service account wrote them
+and nobody else can change them; a job user's conversions in a shared cache are its own
+(``.u<uid>``), so nobody runs bytes another user chose.  Lock files are created
+once, exclusively, and opened without following links.
 """
 
 from __future__ import annotations
@@ -29,15 +36,26 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import secrets
 import shutil
 import socket
 import stat
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import IO
 
-from imgpipe.base.files import TMP_PREFIX, atomic_write, orphaned, owner_tag
+from imgpipe.base.files import (
+    STALE_AFTER_S,
+    TMP_PREFIX,
+    atomic_write,
+    open_regular,
+    orphaned,
+    owner_tag,
+    read_regular,
+)
 from imgpipe.enroot.errors import ConvertError
+from imgpipe.enroot.trust import CacheTrust, check_entry, check_layout_folder, shown, user_name
 
 LAYOUT_VERSION = "1"
 # The content a conversion makes, beyond the layers: bumped when it changes (2: empty
@@ -45,6 +63,7 @@ LAYOUT_VERSION = "1"
 # so a file made by an older imgpipe is never returned for a newer one's key.
 FORMAT = "2"
 RAM_DIR = Path("/dev/shm")
+LOCK_TIMEOUT_S = 3600.0  # enroot.lock_timeout_s: a conversion holds its digest's lock
 RAM_RESERVE = 1 << 30  # leave this much of /dev/shm to everyone else
 CACHEDIR_TAG = ("Signature: 8a477f597d28d172789f06886806bc55\n"
                 "# This directory holds imgpipe's squashfs and blob cache.\n")
@@ -58,10 +77,13 @@ def digest_hex(digest: str) -> str:
 
 
 class Storage:
-    """Paths and locks of one shared squashfs directory."""
+    """Paths, entries and locks of one squashfs directory, and who may be trusted in it."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, trust: CacheTrust | None = None,
+                 lock_timeout_s: float = LOCK_TIMEOUT_S) -> None:
         self.root = root
+        self.trust = trust or CacheTrust.of()
+        self.lock_timeout_s = lock_timeout_s
 
     @property
     def meta(self) -> Path:
@@ -79,79 +101,163 @@ class Storage:
     def tmp(self) -> Path:
         return self.meta / "tmp"
 
+    @property
+    def uses(self) -> Path:
+        return self.meta / "uses"
+
+    @property
+    def shared(self) -> bool:
+        """Whether users other than the root folder's owner may write in it."""
+        try:
+            return bool(self.root.lstat().st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+        except FileNotFoundError:
+            return False
+
+    @property
+    def _own_names(self) -> bool:
+        """A job user in a shared cache writes entries under names of its own (``.u<uid>``):
+        the shared names are written by root or the service account alone."""
+        return self.shared and not self.trust.is_admin
+
     def _shared_mode(self) -> int:
-        """Mode for the folders imgpipe creates: the root's (sticky and setgid kept)."""
+        """Mode for the folders every user writes in: the root's (sticky and setgid kept)."""
         return stat.S_IMODE(self.root.stat().st_mode) & 0o3777
 
+    def layout(self) -> list[tuple[Path, int]]:
+        """Every folder of the layout with the mode it is made with."""
+        everyone = self._shared_mode()
+        readable = 0o755 if everyone & (stat.S_IWGRP | stat.S_IWOTH) else everyone
+        return [(self.meta, readable), (self.blobs.parent, readable), (self.blobs, everyone),
+                (self.locks, everyone), (self.tmp, everyone), (self.uses, everyone)]
+
     def prepare(self) -> None:
-        """Create the layout (idempotent); refuse a layout of another version, and folders
-        another user could swap entries in."""
+        """Create the layout (idempotent; in a shared cache only root or the service account
+        may); refuse a layout of another version, folders another user could swap entries in,
+        and shared folders a job user owns."""
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            _check_folder(self.root)
-            mode = self._shared_mode()
-            for folder in (self.meta, self.blobs.parent, self.blobs, self.locks, self.tmp):
-                if not make_shared_dir(folder, mode):
-                    _check_folder(folder)
-            version_file = self.meta / "VERSION"
-            if version_file.exists():
-                found = version_file.read_text().strip()
-                if found != LAYOUT_VERSION:
-                    raise ConvertError(f"{self.root} holds a cache of layout {found}, "
-                                       f"this imgpipe uses {LAYOUT_VERSION}",
-                                       hint="use another outputs.squashfs_dir")
-            else:
-                _publish_once(version_file, LAYOUT_VERSION + "\n")
-            tag = self.meta / "CACHEDIR.TAG"
-            if not tag.exists():
-                _publish_once(tag, CACHEDIR_TAG)
+            if not self.root.exists():
+                self.root.mkdir(parents=True)
+            shared = self.shared
+            check_layout_folder(self.root, self.trust, shared)
+            for folder, mode in self.layout():
+                if not folder.exists() and not folder.is_symlink():
+                    if shared and not self.trust.is_admin:
+                        raise ConvertError(
+                            f"the shared squashfs directory {self.root} is not set up "
+                            f"({folder.relative_to(self.root)} is missing)",
+                            hint=f"as root: imgpipe node-config --make-cache {self.root}")
+                    if make_shared_dir(folder, mode):
+                        continue
+                check_layout_folder(folder, self.trust, shared)
+            self._check_version()
         except PermissionError as exc:
             raise self._not_shared(exc) from exc
         except OSError as exc:
             raise ConvertError(f"cannot use squashfs directory {self.root}: {exc.strerror}",
                                hint="set outputs.squashfs_dir to a writable folder") from exc
 
+    def _check_version(self) -> None:
+        version_file = self.meta / "VERSION"
+        why = check_entry(version_file, self.trust)
+        if why == "":
+            _publish_once(version_file, LAYOUT_VERSION + "\n")
+            tag = self.meta / "CACHEDIR.TAG"
+            if not tag.exists():
+                _publish_once(tag, CACHEDIR_TAG)
+            return
+        if why is not None:
+            raise ConvertError(f"{version_file}: {why}",
+                               hint=f"as root: imgpipe node-config --make-cache {self.root}")
+        found = read_regular(version_file).decode(errors="replace").strip()
+        if found != LAYOUT_VERSION:
+            raise ConvertError(f"{self.root} holds a cache of layout {shown(found)}, "
+                               f"this imgpipe uses {LAYOUT_VERSION}",
+                               hint="use another outputs.squashfs_dir")
+
     def _not_shared(self, exc: OSError) -> ConvertError:
         where = exc.filename or self.root
         return ConvertError(
             f"squashfs directory {self.root}: permission denied on {where}",
-            hint=f"every job user must be able to write it: chmod 1777 {self.root} (or 3775 "
-            "with a group of all job users); see imgpipe node-config")
+            hint=f"every job user must be able to write it: as root, imgpipe node-config "
+            f"--make-cache {self.root} (mode 1777, or 3775 with a group of all job users)")
 
     def blob(self, digest: str) -> Path:
         return self.blobs / digest_hex(digest)
 
-    def squashfs(self, repository: str, digest: str, compression: str) -> Path:
-        """Where the squashfs of (digest, compression, FORMAT) is published."""
-        return self.root / (f"{repository.replace('/', '+')}+sha256-{digest_hex(digest)}"
-                            f"+{compression}-f{FORMAT}.sqsh")
+    def private_dir(self) -> Path:
+        """This user's own folder for partial downloads and private copies
+        (``tmp/u<uid>``, mode 0700): no other user can name or plant anything in it.  One
+        planted by another user is refused with its owner named."""
+        folder = self.tmp / f"u{self.trust.me}"
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:
+            info = folder.lstat()
+            if (not stat.S_ISDIR(info.st_mode) or info.st_uid != self.trust.me
+                    or info.st_mode & 0o077):
+                raise ConvertError(
+                    f"{folder} is not your private folder ({user_name(info.st_uid)}, mode "
+                    f"{stat.S_IMODE(info.st_mode):04o}): refused",
+                    hint=f"ask an admin to remove it: it was planted in {self.tmp}") from None
+        return folder
 
-    def find_squashfs(self, digest: str, compression: str) -> Path | None:
-        """The published file for ``digest`` in ``compression``, whatever repository it came
-        from; a regular file only (a link planted there is not an answer)."""
-        pattern = f"*+sha256-{digest_hex(digest)}+{compression}-f{FORMAT}.sqsh"
-        for match in sorted(self.root.glob(pattern)):
-            if match.is_file() and not match.is_symlink():
-                return match
+    def _name(self, stem: str) -> str:
+        return f"{stem}.u{self.trust.me}.sqsh" if self._own_names else f"{stem}.sqsh"
+
+    def _candidates(self, stem: str) -> list[Path]:
+        names = [f"{stem}.sqsh"]
+        if self._own_names:
+            names.append(f"{stem}.u{self.trust.me}.sqsh")
+        return [self.root / name for name in names]
+
+    def squashfs(self, repository: str, digest: str, compression: str) -> Path:
+        """Where this user writes the conversion of (digest, compression, FORMAT)."""
+        return self.root / self._name(conversion_stem(repository, digest, compression))
+
+    def fetched(self, repository: str, blob: str) -> Path:
+        """Where this user writes a fetched published squashfs: named by its own digest, so
+        a job pinned to one never finds another."""
+        return self.root / self._name(fetched_stem(repository, blob))
+
+    def find_squashfs(self, repository: str, digest: str, compression: str,
+                      pins: frozenset[str] = frozenset(),
+                      say: Callable[[str], None] | None = None) -> Path | None:
+        """The usable entry of ``repository@digest``: a fetched squashfs a pin names, else
+        the conversion.  Found by exact name; used only when a regular file that you, root
+        or the service account wrote and nobody else may change; anything else at those
+        names is ignored, with one line to ``say``."""
+        stems = [fetched_stem(repository, pin) for pin in sorted(pins)]
+        stems.append(conversion_stem(repository, digest, compression))
+        for stem in stems:
+            for path in self._candidates(stem):
+                why = check_entry(path, self.trust)
+                if why is None:
+                    return path
+                if why and say is not None:
+                    say(f"ignored {path.name}: {why}")
         return None
 
     @contextlib.contextmanager
-    def lock(self, digest: str, on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
-        """Hold the digest's exclusive lock; ``on_wait`` hears who holds it, once."""
-        path = self.locks / f"{digest_hex(digest)}.lock"
+    def lock(self, digest: str, on_wait: Callable[[str], None] | None = None,
+             timeout_s: float | None = None) -> Iterator[None]:
+        """Hold the digest's exclusive lock (a job user's own lock in a shared cache, where
+        its conversions are its own); ``on_wait`` hears who holds it, once.  Waiting longer
+        than ``timeout_s`` ends in one line naming the holder."""
+        timeout_s = self.lock_timeout_s if timeout_s is None else timeout_s
+        suffix = f".u{self.trust.me}" if self._own_names else ""
+        path = self.locks / f"{digest_hex(digest)}{suffix}.lock"
         try:
-            fd = _open_lock_file(path)
+            fd = _open_lock_file(path, self.trust, private=bool(suffix))
         except PermissionError as exc:
             raise self._not_shared(exc) from exc
         with os.fdopen(fd, "r+") as handle:
-            try:
-                fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                handle.seek(0)
-                holder = handle.read().strip() or "another process"
+            if not _try_lock(handle):
+                holder = _holder(handle)
                 if on_wait:
                     on_wait(f"waiting for {holder}, which is converting {digest[:19]}")
-                fcntl.lockf(handle, fcntl.LOCK_EX)
+                _wait_lock(handle, timeout_s, lambda: (
+                    f"gave up after {timeout_s:.0f} s waiting for the lock of {digest[:19]} "
+                    f"({path}), held by {_holder(handle)}"))
             handle.seek(0)
             handle.truncate()
             handle.write(f"{socket.gethostname()}:{os.getpid()} since {time.strftime('%c')}\n")
@@ -191,7 +297,8 @@ class Storage:
     def sweep(self) -> int:
         """Remove what crashed runs left, whatever digest: partial blobs, partial squashfs
         files and work trees (also in /dev/shm) whose owner is gone (a dead pid on this
-        host; on another host, nothing written for a day).  Returns how many."""
+        host; on another host, nothing written for a day), and this user's partial
+        downloads untouched for a day.  Returns how many."""
         now = time.time()
         candidates = [*self.root.glob(f"{TMP_PREFIX}*"), *self.blobs.glob(f"{TMP_PREFIX}*"),
                       *self.tmp.glob("*~*")]
@@ -211,6 +318,23 @@ class Storage:
                 else:
                     path.unlink()
                 removed += 1
+        return removed + self._sweep_partials(now)
+
+    def _sweep_partials(self, now: float) -> int:
+        """This user's partial downloads nobody resumed for a day."""
+        folder = self.tmp / f"u{self.trust.me}"
+        try:
+            info = folder.lstat()
+        except FileNotFoundError:
+            return 0
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != self.trust.me:
+            return 0
+        removed = 0
+        for path in folder.glob("*.part"):
+            with contextlib.suppress(FileNotFoundError):
+                if now - path.lstat().st_mtime > STALE_AFTER_S:
+                    path.unlink()
+                    removed += 1
         return removed
 
     def work_dir(self, digest: str, needs_bytes: int = 0) -> Path:
@@ -218,9 +342,10 @@ class Storage:
 
         In RAM (``/dev/shm``) when ``needs_bytes`` fits there with room to spare:
         an unpacked tree is thrown away after squashing, and on a busy disk its
-        writeback dominated (bert's tree: 32 s on disk, 6 s in RAM).
+        writeback dominated (bert's tree: 32 s on disk, 6 s in RAM).  Made exclusively,
+        mode 0700, under a name nobody can guess.
         """
-        name = f"{digest_hex(digest)}{owner_tag()}"
+        name = f"{digest_hex(digest)}{owner_tag()}~{secrets.token_hex(6)}"
         parent = self.tmp
         if needs_bytes and RAM_DIR.is_dir():
             free = shutil.disk_usage(RAM_DIR).free
@@ -228,26 +353,72 @@ class Storage:
                 parent = RAM_DIR
                 name = f"imgpipe-{name}"
         path = parent / name
-        path.mkdir(parents=True, exist_ok=False)
+        path.mkdir(mode=0o700, exist_ok=False)
         return path
 
 
-def _open_lock_file(path: Path) -> int:
-    """An fd of the lock file, read-write, never through a link.  Created exclusively and
-    0666 when missing (fcntl locks need every user to open it); an existing one is opened
-    without O_CREAT, which protected_regular refuses for another user's file in a sticky
-    folder."""
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+def conversion_stem(repository: str, digest: str, compression: str) -> str:
+    return (f"{repository.replace('/', '+')}+sha256-{digest_hex(digest)}"
+            f"+{compression}-f{FORMAT}")
+
+
+def fetched_stem(repository: str, blob: str) -> str:
+    return f"{repository.replace('/', '+')}+squashfs-sha256-{digest_hex(blob)}"
+
+
+def _try_lock(handle: IO[str]) -> bool:
+    try:
+        fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    return True
+
+
+def _wait_lock(handle: IO[str], timeout_s: float, gave_up: Callable[[], str]) -> None:
+    deadline = time.monotonic() + timeout_s
+    pause = 0.05
+    while not _try_lock(handle):
+        if time.monotonic() >= deadline:
+            raise ConvertError(gave_up(), hint="if that process is gone or hung, end it (or "
+                               "raise enroot.lock_timeout_s for very large images)")
+        time.sleep(pause)
+        pause = min(pause * 2, 1.0)
+
+
+def _holder(handle: IO[str]) -> str:
+    """Who holds the lock, as its holder wrote it (any user could write it: shown escaped)."""
+    handle.seek(0)
+    return shown(handle.read(200).strip()) or "another process"
+
+
+def _open_lock_file(path: Path, trust: CacheTrust, private: bool) -> int:
+    """An fd of the lock file, read-write, never through a link and never anything but a
+    regular file.  A shared lock is created exclusively and 0666 when missing (fcntl locks
+    need a file every user can open); a job user's own lock is 0600 and must be its own.
+    An existing one is opened without O_CREAT, which protected_regular refuses for another
+    user's file in a sticky folder."""
     for _ in range(5):
         try:
-            return os.open(path, flags)
+            fd = open_regular(path, os.O_RDWR)
         except FileNotFoundError:
             pass
+        except OSError as exc:
+            raise ConvertError(f"lock file {path}: {exc.strerror}",
+                               hint=f"something was planted there: as root, remove it ({path})"
+                               ) from exc
+        else:
+            owner = os.fstat(fd).st_uid
+            if private and owner != trust.me:
+                os.close(fd)
+                raise ConvertError(f"lock file {path} belongs to {user_name(owner)}, not you: "
+                                   "refused", hint=f"it was planted: as root, remove {path}")
+            return fd
         try:
-            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o666)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_CREAT | os.O_EXCL,
+                         0o600 if private else 0o666)
         except FileExistsError:
             continue  # created by another process in between: open it
-        os.fchmod(fd, 0o666)
+        os.fchmod(fd, 0o600 if private else 0o666)
         return fd
     raise ConvertError(f"cannot open lock file {path}: it keeps disappearing")
 
@@ -274,19 +445,3 @@ def make_shared_dir(folder: Path, mode: int) -> bool:
         return False
     finally:
         os.umask(old)
-
-
-def _check_folder(folder: Path) -> None:
-    """A cache folder must be a real directory (not a link to one), and if users other
-    than its owner may write it, sticky: else any of them could rename a published file
-    or another user's temporary away and put theirs in its place."""
-    info = folder.lstat()
-    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
-        raise ConvertError(f"{folder} is not a directory (a link or a file stands there)",
-                           hint="remove it; imgpipe makes its cache folders itself")
-    shared = info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-    if shared and not info.st_mode & stat.S_ISVTX:
-        mode = stat.S_IMODE(info.st_mode)
-        raise ConvertError(f"cache folder {folder} is writable by other users without the "
-                           f"sticky bit (mode {mode:04o}): they could swap its files",
-                           hint=f"chmod {mode | stat.S_ISVTX:04o} {folder}")

@@ -1,9 +1,10 @@
 """Who uses which cache entry, and pruning the cache by size or age, least recently used first.
 
 The Pyxis importer records each use: ``get`` makes a marker
-``.imgpipe/uses/<squashfs name>/<host>~<uid>~<job>~<step>`` (created exclusively,
-never through a link) and ``release`` removes this step's own markers.  The folder's
-modification time is the entry's last use (a conversion counts as one).  ``prune``
+``.imgpipe/uses/<squashfs name>~<host>~<uid>~<job>~<step>`` (created exclusively, never
+through a link, in the one folder root or the service account made) and ``release``
+removes this step's own markers.  The newest marker's time is the entry's last use (a
+conversion counts as one).  ``prune``
 never removes a squashfs that has markers (a running job may have it mounted) or whose
 digest lock is held (a conversion or a verification is running); blobs go first, since
 they can be fetched again, then squashfs files, oldest last use first.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import os
 import re
 import socket
@@ -22,8 +24,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from imgpipe.base.files import open_regular
 from imgpipe.enroot.errors import ConvertError
 from imgpipe.enroot.storage import Storage, digest_hex, make_shared_dir
+from imgpipe.enroot.trust import check_layout_folder
 
 SQSH_DIGEST = re.compile(r"\+sha256-(?P<hex>[0-9a-f]{64})\+")
 @dataclass
@@ -43,17 +47,32 @@ class Pruned:
     total_after: int
 
 
-def _uses_dir(storage: Storage, squashfs: Path) -> Path:
-    return storage.meta / "uses" / squashfs.name
+def _markers(storage: Storage, squashfs: Path) -> list[Path]:
+    """The use markers of ``squashfs`` (regular files only: anything else is no use)."""
+    found = []
+    for marker in storage.uses.glob(f"{glob.escape(squashfs.name)}~*"):
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISREG(marker.lstat().st_mode):
+                found.append(marker)
+    return sorted(found)
+
+
+def marker_name(squashfs: Path, job: str, step: str, uid: int | None = None) -> str:
+    uid = os.getuid() if uid is None else uid
+    return f"{squashfs.name}~{socket.gethostname()}~{uid}~{job}~{step}"
 
 
 def record_use(storage: Storage, squashfs: Path, job: str, step: str) -> Path:
-    """Mark ``squashfs`` as in use by this step; returns the marker."""
-    folder = _uses_dir(storage, squashfs)
-    mode = stat.S_IMODE(storage.root.stat().st_mode) & 0o3777
-    for parent in (storage.meta, folder.parent, folder):
-        make_shared_dir(parent, mode)
-    marker = folder / f"{socket.gethostname()}~{os.getuid()}~{job}~{step}"
+    """Mark ``squashfs`` as in use by this step; returns the marker.  The uses folder is
+    the layout's (made by root or the service account in a shared cache; by you in your
+    own), never one a job user made."""
+    folder = storage.uses
+    if not folder.is_dir() and not storage.shared:  # your own cache: you make its layout
+        for made, mode in storage.layout():
+            if made in (storage.meta, folder):
+                make_shared_dir(made, mode)
+    check_layout_folder(folder, storage.trust, storage.shared)
+    marker = folder / marker_name(squashfs, job, step)
     try:
         os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
     except FileExistsError:
@@ -74,12 +93,10 @@ def entries(storage: Storage) -> list[Entry]:
         info = path.lstat()
         if not stat.S_ISREG(info.st_mode):
             continue
-        uses = _uses_dir(storage, path)
         last = info.st_mtime
         users: list[str] = []
-        if uses.is_dir():
-            last = max(last, uses.stat().st_mtime)
-            for marker in sorted(uses.iterdir()):
+        for marker in _markers(storage, path):
+            with contextlib.suppress(FileNotFoundError):
                 last = max(last, marker.lstat().st_mtime)
                 users.append(marker.name)
         found.append(Entry("squashfs", path, info.st_size, last, users))
@@ -100,23 +117,26 @@ def _locked_now(storage: Storage, squashfs: Path) -> Iterator[bool]:
     if match is None:
         yield True
         return
-    path = storage.locks / f"{digest_hex('sha256:' + match['hex'])}.lock"
+    held: list[int] = []
     try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        yield True
-        return
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        yield False
-        return
-    try:
+        # The shared lock and every user's own lock of that digest.
+        for path in sorted(storage.locks.glob(f"{digest_hex('sha256:' + match['hex'])}*.lock")):
+            try:
+                fd = open_regular(path, os.O_RDWR if os.access(path, os.W_OK) else os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                yield False
+                return
+            held.append(fd)
         yield True
     finally:
-        fcntl.lockf(fd, fcntl.LOCK_UN)
-        os.close(fd)
+        for fd in held:
+            fcntl.lockf(fd, fcntl.LOCK_UN)
+            os.close(fd)
 
 
 def prune(storage: Storage, max_size: int | None = None, unused_for_s: float | None = None,
@@ -141,8 +161,7 @@ def prune(storage: Storage, max_size: int | None = None, unused_for_s: float | N
             continue
         if entry.kind == "squashfs":
             with _locked_now(storage, entry.path) as free:
-                if not free or _uses_dir(storage, entry.path).is_dir() and any(
-                        _uses_dir(storage, entry.path).iterdir()):
+                if not free or _markers(storage, entry.path):
                     kept.append(entry)
                     continue
                 if not _remove(entry, dry_run):

@@ -22,6 +22,7 @@ import netrc
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import requests
 from requests.utils import parse_dict_header
@@ -99,12 +100,24 @@ class Authenticator:
         session: requests.Session,
         timeout: float,
         verify: bool | str = True,
+        registry_url: str = "",
+        allow_http: bool = False,
     ) -> None:
         self.credentials = credentials
         self.session = session
         self.timeout = timeout
         self.verify = verify
+        self.registry_url = registry_url
+        self.allow_http = allow_http  # registry.credentials.allow_http
         self._tokens: dict[tuple[str, str, str], str] = {}
+
+    def may_send_to(self, url: str) -> bool:
+        """Credentials go to the registry's own host alone, and over plain http only when
+        the config says so: never to a token realm or a redirect on another host."""
+        target, registry = urlsplit(url), urlsplit(self.registry_url)
+        if target.hostname != registry.hostname:
+            return False
+        return target.scheme == "https" or self.allow_http
 
     def answer(self, response: requests.Response, registry: str) -> str:
         """The Authorization header that answers ``response``'s challenge."""
@@ -117,6 +130,12 @@ class Authenticator:
                     hint="set registry.credentials in imgpipe.yaml (docker-config or netrc)",
                     status=401,
                 )
+            if not self.may_send_to(self.registry_url):
+                raise AuthError(
+                    f"registry {registry} asks for a password over plain http: refused "
+                    "(anyone on the network could read it)",
+                    hint="use https (registry.scheme), or set registry.credentials.allow_http: "
+                    "true if this network is trusted", status=401)
             return self.credentials.basic_header()
         if scheme == "bearer":
             return f"Bearer {self._token(params, registry)}"
@@ -135,14 +154,25 @@ class Authenticator:
             del self._tokens[key]
         query = {k: v for k, v in (("service", key[1]), ("scope", key[2])) if v}
         headers = {}
-        if self.credentials is not None:
+        if self.credentials is not None and self.may_send_to(realm):
             headers["Authorization"] = self.credentials.basic_header()
+        elif self.credentials is not None:
+            log.debug("token realm %s is not the registry's host over https: asked anonymously",
+                      realm)
         try:
             reply = self.session.get(
                 realm, params=query, headers=headers, timeout=self.timeout, verify=self.verify
             )
         except requests.RequestException as exc:
             raise AuthError(f"token endpoint {realm} unreachable: {type(exc).__name__}") from exc
+        if reply.status_code in (401, 403) and "Authorization" not in headers \
+                and self.credentials is not None:
+            raise AuthError(
+                f"token endpoint {realm} refused an anonymous request for {registry}: "
+                "credentials go only to the registry's own host, and over plain http only "
+                "with registry.credentials.allow_http", status=reply.status_code,
+                hint="use https, or set registry.credentials.allow_http: true if this "
+                "network is trusted")
         if reply.status_code in (401, 403):
             raise AuthError(
                 f"token endpoint {realm} refused the credentials for {registry} "

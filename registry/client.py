@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urljoin
+from urllib.parse import urljoin, urlsplit
 
 import requests
 from requests.adapters import HTTPAdapter
@@ -92,6 +92,9 @@ def sha256_digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
+MANIFEST_LIMIT = 4 << 20  # the OCI distribution spec's suggested limit for a manifest
+
+
 class RegistryClient:
     """A session with one registry: ``RegistryClient("http://127.0.0.1:5000")``."""
 
@@ -102,6 +105,7 @@ class RegistryClient:
         ca_file: str | os.PathLike[str] | None = None,
         timeout: tuple[float, float] = (CONNECT_TIMEOUT_S, READ_TIMEOUT_S),
         retries: int = 3,
+        allow_http: bool = False,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.address = self.base_url.split("://", 1)[-1]
@@ -127,7 +131,8 @@ class RegistryClient:
         adapter = HTTPAdapter(max_retries=retry, pool_maxsize=16)
         self.session.mount("http://", adapter)
         self.session.mount("https://", adapter)
-        self.auth = Authenticator(credentials, self.session, timeout[0] + timeout[1], self.verify)
+        self.auth = Authenticator(credentials, self.session, timeout[0] + timeout[1], self.verify,
+                                  self.base_url, allow_http)
         self._authorization: str | None = None
 
     # -- transport -------------------------------------------------------------------------
@@ -147,11 +152,13 @@ class RegistryClient:
         url = path if path.startswith(("http://", "https://")) else self.base_url + path
         accepted = set(ok)
         sent_headers = dict(headers or {})
+        # A Location or Link the registry sent may name another host: it gets no credentials.
+        ours = _origin(url) == _origin(self.base_url)
         for attempt in range(3):  # anonymous or cached header, then at most two challenges
-            if self._authorization:
+            if self._authorization and ours:
                 sent_headers["Authorization"] = self._authorization
             response = self._send(method, url, sent_headers, params, stream, data)
-            if response.status_code != 401 or 401 in accepted:
+            if response.status_code != 401 or 401 in accepted or not ours:
                 break
             if attempt == 2:
                 break
@@ -320,6 +327,30 @@ class RegistryClient:
         # The digest names the bytes served; computing it works when the header is missing.
         return Manifest(computed, media_type, raw)
 
+    def manifest_exactly(self, repository: str, digest: str, limit: int = MANIFEST_LIMIT
+                         ) -> Manifest:
+        """The manifest or index stored under ``digest``, as it is (an index is not
+        resolved), at most ``limit`` bytes read and its digest checked: for reading what
+        any pusher may have written (artifacts, referrers)."""
+        response = self.request("GET", f"/v2/{repository}/manifests/{digest}", stream=True,
+                                headers={"Accept": MANIFEST_ACCEPT})
+        try:
+            raw = response.raw.read(limit + 1, decode_content=True)
+        finally:
+            response.close()
+        if len(raw) > limit:
+            raise RegistryError(f"manifest {digest} of {repository} is over {limit} bytes")
+        if sha256_digest(raw) != digest:
+            raise DigestMismatchError(f"manifest {digest} has digest {sha256_digest(raw)}")
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise RegistryError(f"manifest {digest} is not JSON") from exc
+        media_type = body.get("mediaType") if isinstance(body, dict) else None
+        if not isinstance(media_type, str):
+            media_type = response.headers.get("Content-Type", "").split(";")[0].strip()
+        return Manifest(digest, media_type, raw)
+
     def manifest_digest(self, repository: str, reference: str) -> str | None:
         """Digest of the manifest ``reference`` points to (HEAD), or None when absent."""
         response = self.request("HEAD", f"/v2/{repository}/manifests/{reference}",
@@ -402,6 +433,11 @@ class RegistryClient:
                     method="GET", url=url_path,
                 )
         return Path(dest)
+
+
+def _origin(url: str) -> tuple[str, str | None, int | None]:
+    parts = urlsplit(url)
+    return parts.scheme, parts.hostname, parts.port
 
 
 def _registry_errors(response: requests.Response) -> bool:

@@ -145,7 +145,8 @@ def _kept_start(partial: Path) -> tuple[int, hashlib._Hash]:
 
 
 def fetch_resumable(client: RegistryClient, repository: str, digest: str, partial: Path,
-                    progress: Callable[[int], None] | None = None) -> int:
+                    progress: Callable[[int], None] | None = None,
+                    size: int | None = None) -> int:
     """Stream blob ``digest`` into ``partial`` (resumed when it holds a start) and verify
     it; the caller publishes the file.  Returns the bytes received by this call.  Written
     around the page cache where the file system allows (base.directio)."""
@@ -164,6 +165,10 @@ def fetch_resumable(client: RegistryClient, repository: str, digest: str, partia
     try:
         if response.status_code != 416:
             for chunk in _received(response):
+                if size is not None and kept + received + len(chunk) > size:
+                    raise RegistryError(f"blob {digest} of {repository} is larger than the "
+                                        f"{size} bytes its descriptor declares: refused",
+                                        method="GET", url=url_path)
                 hasher.update(chunk)
                 writer.write(chunk)
                 received += len(chunk)

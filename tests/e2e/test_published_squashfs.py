@@ -27,7 +27,7 @@ import requests
 import yaml
 
 from imgpipe.base.directio import ALIGN
-from imgpipe.enroot.prebuilt import PINS_ENV
+from imgpipe.enroot.pins import PINS_ENV
 from imgpipe.enroot.published import ARTIFACT_TYPE, find_published, publish
 from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.errors import DigestMismatchError

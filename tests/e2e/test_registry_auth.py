@@ -86,16 +86,39 @@ def test_tls_without_the_ca_names_the_fix(tls_htpasswd_registry) -> None:
 
 def test_bearer_token_flow(token_registry) -> None:
     server, tokens = token_registry
-    client = RegistryClient(server.url, credentials=Credentials(USER, PASSWORD))
+    client = RegistryClient(server.url, credentials=Credentials(USER, PASSWORD), allow_http=True)
     client.ping()
     assert tokens.requests_seen and tokens.requests_seen[-1]["authorized"]
     assert client.catalog() == []
     assert any("scope=registry%3Acatalog%3A%2A" in r["path"] for r in tokens.requests_seen)
 
 
+def test_credentials_never_cross_plain_http_unless_the_config_says_so(token_registry) -> None:
+    """A network attacker reads plain http: without registry.credentials.allow_http the
+    password goes neither to the registry nor to its token realm."""
+    server, tokens = token_registry
+    seen = len(tokens.requests_seen)
+    client = RegistryClient(server.url, credentials=Credentials(USER, PASSWORD))
+    with pytest.raises(AuthError) as caught:
+        client.catalog()
+    assert "credentials go only to the registry's own host" in caught.value.message
+    assert "allow_http" in (caught.value.hint or "")
+    assert not any(r["authorized"] for r in tokens.requests_seen[seen:])
+
+
+def test_credentials_never_go_to_a_token_realm_on_another_host(token_registry) -> None:
+    """A realm the registry names on another host (here 127.0.0.2, the same token server
+    under another name) gets an anonymous request, never the password."""
+    server, tokens = token_registry
+    client = RegistryClient(server.url, credentials=Credentials(USER, PASSWORD), allow_http=True)
+    assert not client.auth.may_send_to(tokens.url.replace("127.0.0.1", "127.0.0.2"))
+    assert client.auth.may_send_to(tokens.url)
+    assert not client.auth.may_send_to("http://evil.example:5000/v2/x/blobs/uploads/1")
+
+
 def test_bearer_wrong_credentials_is_one_line(token_registry) -> None:
     server, tokens = token_registry
-    client = RegistryClient(server.url, credentials=Credentials(USER, "nope"))
+    client = RegistryClient(server.url, credentials=Credentials(USER, "nope"), allow_http=True)
     with pytest.raises(AuthError) as caught:
         client.catalog()
     assert caught.value.message == (
@@ -130,7 +153,7 @@ def use_docker_config(cli, server, tmp_path: Path) -> str:
     auth = base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
     config.write_text(json.dumps({"auths": {server.address: {"auth": auth}}}))
     cli.write_config({"registry": {"port": server.port, "credentials": {
-        "source": "docker-config", "file": str(config)}}})
+        "source": "docker-config", "file": str(config), "allow_http": True}}})
     return auth
 
 

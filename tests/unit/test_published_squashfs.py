@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from imgpipe.enroot.errors import ConvertError
-from imgpipe.enroot.prebuilt import PINS_ENV, Prebuilt, pins_in, pins_text
+from imgpipe.enroot.pins import PINS_ENV, pins_in, pins_text
+from imgpipe.enroot.prebuilt import Prebuilt
 from imgpipe.enroot.published import check_contents
 from imgpipe.registry.referrers import is_referrers_tag, referrers_tag
 

@@ -40,13 +40,13 @@ def test_names_are_keyed_by_digest_and_a_planted_link_is_not_an_answer(tmp_path:
     store = storage(tmp_path)
     path = store.squashfs("imgpipe/bert", DIGEST, "zstd")
     assert path.name == f"imgpipe+bert+sha256-{'a' * 64}+zstd-f2.sqsh"
-    assert store.find_squashfs(DIGEST, "zstd") is None
+    assert store.find_squashfs("imgpipe/bert", DIGEST, "zstd") is None
     os.symlink("/etc/passwd", path)
-    assert store.find_squashfs(DIGEST, "zstd") is None
+    assert store.find_squashfs("imgpipe/bert", DIGEST, "zstd") is None
     path.unlink()
     published(store, DIGEST, 10)
-    assert store.find_squashfs(DIGEST, "zstd") == path
-    assert store.find_squashfs(DIGEST, "lz4") is None
+    assert store.find_squashfs("imgpipe/bert", DIGEST, "zstd") == path
+    assert store.find_squashfs("imgpipe/bert", DIGEST, "lz4") is None
 
 
 def test_prune_takes_the_least_recently_used_and_spares_files_in_use(tmp_path: Path) -> None:
