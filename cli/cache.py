@@ -9,7 +9,7 @@ import click
 from imgpipe.base.units import human_bytes, parse_size
 from imgpipe.cli.clikit import CONTEXT, parsed_by, reporting, settings_of
 from imgpipe.cli.output import Result
-from imgpipe.commands.wiring import storage
+from imgpipe.commands.wiring import shown, storage
 from imgpipe.enroot.usage import entries, prune
 
 
@@ -33,19 +33,24 @@ def cache() -> None:
 @cache.command(name="ls", context_settings=CONTEXT)
 @reporting
 def ls_command(ctx: click.Context) -> Result:
-    """Each squashfs file and blob: size, last use, and the jobs using it now."""
-    found = entries(storage(settings_of(ctx)))
+    """Each squashfs file and blob: size, last use, and the jobs using it now; then
+    anything unsafe in the cache (wrong owners or modes, links, planted entries)."""
+    cache = storage(settings_of(ctx))
+    found = entries(cache)
+    unsafe = cache.audit()
     now = time.time()
     lines = [f"{'kind':<8} {'size':>10} {'last use':>9}  name (users)"]
     for entry in found:
         users = f" ({', '.join(entry.users)})" if entry.users else ""
         lines.append(f"{entry.kind:<8} {human_bytes(entry.size):>10} "
-                     f"{_age(now - entry.last_use):>9}  {entry.path.name}{users}")
+                     f"{_age(now - entry.last_use):>9}  {shown(entry.path.name)}"
+                     f"{shown(users)}")
     total = sum(e.size for e in found)
     lines.append(f"{len(found)} entries, {human_bytes(total)}")
+    lines += [f"unsafe: {shown(problem)}" for problem in unsafe]
     return Result({"entries": [{"kind": e.kind, "path": e.path, "size": e.size,
                                 "last_use": e.last_use, "users": e.users} for e in found],
-                   "total": total}, lines)
+                   "total": total, "unsafe": unsafe}, lines)
 
 
 @cache.command(name="prune", context_settings=CONTEXT)

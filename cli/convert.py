@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from imgpipe.base.progress import Progress, choose_mode
@@ -10,6 +12,7 @@ from imgpipe.cli.clikit import CONTEXT, invocation, parsed_by, reporting, settin
 from imgpipe.cli.output import Result
 from imgpipe.commands.convert import convert_and_record
 from imgpipe.commands.published import verify
+from imgpipe.commands.wiring import storage
 from imgpipe.enroot.convert import Conversion
 from imgpipe.enroot.nodeconfig import (
     PYXIS_SO_CANDIDATES,
@@ -92,10 +95,17 @@ convert_command.name = "convert"
               help="Importer path on the nodes (default: /usr/local/bin/imgpipe-pyxis-importer).")
 @click.option("--no-squashfuse", is_flag=True, help="Leave out use_squashfuse=1 (Pyxis 0.22+), "
               "so jobs unpack images as before.")
+@click.option("--make-cache", "make_cache", default=None, metavar="DIR", is_flag=False,
+              flag_value="", help="As root (or enroot.cache_owner): set up the shared squashfs "
+              "folder DIR (default: outputs.squashfs_dir) the safe way: 1777, its layout owned "
+              "by root or the service account, never by a job user.  Idempotent.")
+@click.option("--group", default=None, metavar="NAME", help="With --make-cache: a group of "
+              "every job user; the folder is then 3775 instead of 1777.")
 @reporting
 def node_config(ctx: click.Context, pyxis_version: tuple[int, int, int] | None,
                 pyxis_plugin: str | None,
-                enroot_path: str | None, importer: str | None, no_squashfuse: bool) -> Result:
+                enroot_path: str | None, importer: str | None, no_squashfuse: bool,
+                make_cache: str | None, group: str | None) -> Result:
     """Print what compute nodes need: enroot.conf, plugstack.conf and install lines.
 
     The plugstack line follows the nodes' Pyxis: importer= only for 0.21 and newer
@@ -108,6 +118,8 @@ def node_config(ctx: click.Context, pyxis_version: tuple[int, int, int] | None,
     Example:
       imgpipe node-config --pyxis-version 0.24 --enroot /usr/bin/enroot > node-setup.txt
     """
+    if make_cache is not None:
+        return _make_cache(ctx, make_cache, group)
     detected = detect_pyxis((pyxis_plugin,) if pyxis_plugin else PYXIS_SO_CANDIDATES)
     version = pyxis_version or (detected[1] if detected else None)
     plugin = pyxis_plugin or (detected[0] if detected else PYXIS_SO_CANDIDATES[0])
@@ -123,6 +135,24 @@ def node_config(ctx: click.Context, pyxis_version: tuple[int, int, int] | None,
                    "pyxis_version": rendered.pyxis_version,
                    "notes": rendered.notes,
                    "importer": rendered.importer_path}, text.rstrip("\n").splitlines())
+
+
+def _make_cache(ctx: click.Context, folder: str, group: str | None) -> Result:
+    settings = settings_of(ctx)
+    cache = storage(settings, Path(folder).resolve() if folder else None)
+    if group is not None:
+        import grp
+
+        try:
+            grp.getgrnam(group)
+        except KeyError:
+            raise click.BadParameter(f"no group {group!r} on this host",
+                                     param_hint="--group") from None
+    done = cache.make_layout(group)
+    lines = done or [f"{cache.root}: set up already"]
+    return Result({"squashfs_dir": str(cache.root), "changes": done},
+                  [*lines, f"{cache.root}: ready for every job user (owner "
+                   f"{cache.trust.admin_names()})"])
 
 
 @click.command(name="verify", context_settings=CONTEXT)

@@ -208,6 +208,9 @@ def rm(ctx: click.Context, image: str, force: bool) -> Result:
     if removal.artifacts:
         lines.append(f"also removed {len(removal.artifacts)} artifact(s) published beside it "
                      f"(its squashfs): {', '.join(a[:19] for a in removal.artifacts)}")
+    for digest in removal.skipped:
+        lines.append(f"skipped {digest[:19]}: listed beside it, but its manifest does not name "
+                     "it as subject (or a tag keeps it)")
     lines.append("run `imgpipe registry gc` to free its bytes")
     return Result({"repository": ref.repository, "digest": removal.digest,
                    "tags": removal.tags, "artifacts": removal.artifacts}, lines)
@@ -233,7 +236,10 @@ def gc(ctx: click.Context, delete_untagged: bool) -> Result:
     before, after = local.garbage_collect(delete_untagged)
     freed = max(before - after, 0)
     lines = [f"deleted {len(o.artifacts)} artifact(s) of {o.repository}@{o.digest[:19]}, "
-             "which is gone" for o in orphans]
+             "which is gone" for o in orphans if o.artifacts]
+    lines += [f"skipped {d[:19]} in {o.repository}: listed as an artifact of "
+              f"{o.digest[:19]}, but its manifest does not name it (or a tag keeps it)"
+              for o in orphans for d in o.skipped]
     lines.append(f"freed {human_bytes(freed)} ({human_bytes(before)} -> {human_bytes(after)})")
     return Result({"bytes_before": before, "bytes_after": after, "bytes_freed": freed,
                    "orphaned_artifacts": orphans}, lines)

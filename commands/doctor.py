@@ -161,6 +161,25 @@ def check_disk(settings: Settings) -> Check:
     return Check("disk", "ok", f"{human_bytes(free)} free at {probe}", required=False)
 
 
+def check_cache(settings: Settings) -> Check:
+    """The squashfs cache's layout and entries, as the threat model wants them."""
+    from imgpipe.commands.wiring import storage
+
+    try:
+        cache = storage(settings)
+        problems = cache.audit()
+    except ImgpipeError as exc:
+        return Check("squashfs cache", "warn", exc.message, exc.hint, required=False)
+    if problems:
+        return Check("squashfs cache", "warn", f"{cache.root}: " + "; ".join(problems[:5])
+                     + (f"; and {len(problems) - 5} more" if len(problems) > 5 else ""),
+                     f"as root: imgpipe node-config --make-cache {cache.root}, and remove "
+                     "what was planted", required=False)
+    kind = "shared" if cache.shared else "private"
+    return Check("squashfs cache", "ok", f"{cache.root} ({kind}; layout owned by "
+                 f"{cache.trust.admin_names() if cache.shared else 'you'})", required=False)
+
+
 def run_checks(settings: Settings) -> list[Check]:
     checks = check_docker(settings)
     checks.append(check_registry(settings))
@@ -179,4 +198,5 @@ def run_checks(settings: Settings) -> list[Check]:
     checks.append(check_pyxis(detected[1] if detected else None))
     checks.extend(check_squashfuse_mode(detected[1] if detected else None))
     checks.append(check_disk(settings))
+    checks.append(check_cache(settings))
     return checks

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from imgpipe.base.config import Settings
 from imgpipe.enroot.squash import SquashOptions, compression_of
 from imgpipe.enroot.storage import Storage
-from imgpipe.enroot.trust import CacheTrust
+from imgpipe.enroot.trust import CacheTrust, shown
+
+__all__ = ["shown"]  # text other users wrote, escaped for a terminal (cli renders it)
 from imgpipe.registry.auth import (
     Credentials,
     credentials_from_docker_config,
@@ -35,8 +38,9 @@ def registry_client(settings: Settings) -> RegistryClient:
                           allow_http=registry.credentials.allow_http)
 
 
-def storage(settings: Settings) -> Storage:
-    return Storage(settings.path(settings.outputs.squashfs_dir).resolve(),
+def storage(settings: Settings, root: Path | None = None) -> Storage:
+    """The squashfs folder ``root`` (default: outputs.squashfs_dir) with the site's trust."""
+    return Storage(root or settings.path(settings.outputs.squashfs_dir).resolve(),
                    CacheTrust.of(settings.enroot.cache_owner), settings.enroot.lock_timeout_s)
 
 

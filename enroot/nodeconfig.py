@@ -186,8 +186,9 @@ def render(settings: Settings, importer_path: str, pyxis_version: Version | None
         "# The per-user Enroot folders of the enroot.conf lines above live under these:",
         "install -d -m 1777 /run/enroot /var/lib/enroot-cache /tmp/enroot-data",
         "# The shared squashfs folder: every user's jobs create lock files and may convert,",
-        "# so it is world-writable with the sticky bit (or 3775 with a group of all job users):",
-        f"install -d -m 1777 {squashfs}",
+        "# so it is world-writable with the sticky bit (or 3775 with --group), and its layout",
+        "# belongs to root (or enroot.cache_owner), never to the first job user to run:",
+        f"imgpipe node-config --make-cache {squashfs}",
     ]
     return NodeConfig("\n".join(lines) + "\n", "\n".join(plugstack) + "\n",
                       "\n".join(credentials) + ("\n" if credentials else ""),

@@ -46,11 +46,13 @@ def shared_folder(prefix: str) -> Path:
 
 def node_cache(prefix: str) -> tuple[Path, Path]:
     """What node-config sets up on a cluster: an empty squashfs folder every user shares
-    (1777) and the nodes' imgpipe.yaml naming it and the head's registry."""
+    (1777, its layout root's: `imgpipe node-config --make-cache`) and the nodes'
+    imgpipe.yaml naming it and the head's registry."""
+    from imgpipe.enroot.storage import Storage
+
     shared = shared_folder(prefix)
     squashfs = shared / "squashfs"
-    squashfs.mkdir()
-    os.chmod(squashfs, 0o1777)
+    Storage(squashfs).make_layout()
     config = shared / "imgpipe.yaml"
     config.write_text(json.dumps({"registry": {"host": "head", "port": 5000},
                                   "outputs": {"squashfs_dir": str(squashfs)}}))

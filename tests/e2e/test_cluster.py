@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import re
 import shlex
 import subprocess
@@ -226,11 +227,13 @@ def test_pyxis_recipes_are_accepted_at_their_real_node_count(cluster, tmp_path: 
             assert "to start at" in result.stderr
 
 
-def test_importer_two_users_on_two_nodes_convert_a_new_digest_once(cluster, registry_server,
-                                                                   base_image) -> None:
-    """Pyxis runs the importer as the job's user on every node.  Two users on two compute
-    hosts `get` a digest nobody has converted, at once, from one shared squashfs folder
-    (mode 1777, as node-config says): one conversion, both get the file, no traceback."""
+def test_importer_one_user_on_two_nodes_converts_a_new_digest_once(cluster, registry_server,
+                                                                    base_image) -> None:
+    """Pyxis runs the importer as the job's user on every node.  One user's job on two
+    compute hosts `gets` a digest nobody has converted, at once, from one shared squashfs
+    folder (set up by node-config --make-cache): one conversion, both get the file, no
+    traceback.  Another user gets a file of their own: nobody runs bytes another job user
+    wrote (see test_tenants)."""
     import threading
 
     from tests import services
@@ -250,25 +253,32 @@ def test_importer_two_users_on_two_nodes_convert_a_new_digest_once(cluster, regi
     results: dict[str, subprocess.CompletedProcess[str]] = {}
 
     def get(user: str, node: str) -> None:
-        results[user] = cluster.run(
+        results[node] = cluster.run(
             ["srun", "-w", node, "-N1", "-n1", str(bin_dir / "imgpipe-pyxis-importer"), "get",
              uri], user=user, env={"IMGPIPE_CONFIG": str(config)}, timeout=300, cwd="/tmp")
 
     threads = [threading.Thread(target=get, args=(ALICE, "node1")),
-               threading.Thread(target=get, args=(BOB, "node2"))]
+               threading.Thread(target=get, args=(ALICE, "node2"))]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    for user, done in results.items():
-        assert done.returncode == 0, (user, done.stderr)
+    for node, done in results.items():
+        assert done.returncode == 0, (node, done.stderr)
         assert "Traceback" not in done.stderr, done.stderr
     paths = {done.stdout.strip() for done in results.values()}
     [published] = list(squashfs.glob("*.sqsh"))
     assert paths == {str(published)}
-    assert published.stat().st_mode & 0o044 == 0o044  # every user's jobs can read it
-    squashed = [u for u, done in results.items() if "squash with" in done.stderr]
-    assert len(squashed) == 1, {u: d.stderr for u, d in results.items()}
+    alice = pwd.getpwnam(ALICE).pw_uid
+    assert published.name.endswith(f".u{alice}.sqsh") and published.stat().st_uid == alice
+    assert published.stat().st_mode & 0o777 == 0o644  # every user can read, none change it
+    squashed = [n for n, done in results.items() if "squash with" in done.stderr]
+    assert len(squashed) == 1, {n: d.stderr for n, d in results.items()}
+    bob = cluster.run([str(bin_dir / "imgpipe-pyxis-importer"), "get", uri], user=BOB,
+                      env={"IMGPIPE_CONFIG": str(config)}, timeout=300, cwd="/tmp",
+                      host=cluster.spec.nodes[0])
+    assert bob.returncode == 0 and "squash with" in bob.stderr, bob.stderr
+    assert bob.stdout.strip().endswith(f".u{pwd.getpwnam(BOB).pw_uid}.sqsh")
     for user in USERS:  # release is idempotent and never deletes the shared file
         for _ in range(2):
             done = cluster.run([str(bin_dir / "imgpipe-pyxis-importer"), "release"], user=user,

@@ -130,7 +130,7 @@ def test_a_node_runs_the_published_squashfs_without_converting(cluster, publishe
     fetched = _got(done)
     assert fetched.parent == squashfs and _sha256(fetched) == published["pin"]
     assert fetched.stat().st_mode & 0o777 == 0o644
-    assert not list((squashfs / ".imgpipe" / "tmp").glob("*.part"))  # nothing half-written
+    assert not list((squashfs / ".imgpipe" / "tmp").rglob("*.part"))  # nothing half-written
 
     # No pin, no site opt-in: the published file is not trusted; an empty cache on another
     # host converts, and the bytes equal the published ones (conversion is deterministic).

@@ -254,7 +254,8 @@ def test_node_config_follows_the_pyxis_version(tmp_path: Path) -> None:
     assert "importer=" not in unknown.plugstack_conf.split("# note")[0]
     assert "#ENROOT_LOGIN_SHELL no" in new.enroot_conf
     assert "python3 -m venv /opt/imgpipe" in new.install
-    assert "install -d -m 1777" in new.install
+    assert "install -d -m 1777 /run/enroot" in new.install
+    assert "imgpipe node-config --make-cache " in new.install
 
 
 def test_node_config_keeps_job_scope_only_where_the_cleanup_finds_enroot(tmp_path: Path
