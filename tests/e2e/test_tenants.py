@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 import requests
 
-from imgpipe.enroot.storage import Storage
 from tests import services
 from tests.cluster import USERS, node_cache, system_imgpipe
 
