@@ -154,6 +154,12 @@ class EnrootConfig(_Strict):
                                     "the entries every user's jobs take as they are (`imgpipe "
                                     "node-config --make-cache`); job users' own conversions "
                                     "are theirs alone")
+    cache_writer: str | None = Field(default=None, description="the command (with its "
+                                     "leading arguments) that job users may run as "
+                                     "cache_owner through sudo, e.g. '/usr/local/bin/"
+                                     "imgpipe-cache-writer --config /etc/imgpipe/imgpipe.yaml': "
+                                     "conversions in the shared cache are then made by the "
+                                     "service account and taken by every user's jobs")
     lock_timeout_s: float = Field(default=3600.0, gt=0, description="give up waiting for "
                                   "another process's conversion of the same digest after this "
                                   "long, naming the holder")

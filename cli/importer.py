@@ -176,7 +176,7 @@ def _say(text: str) -> None:
 def get(uri: str) -> Path:
     from imgpipe.base.config import load_settings
     from imgpipe.commands.wiring import registry_client, storage
-    from imgpipe.enroot.convert import convert
+    from imgpipe.enroot.convert import convert, require_served
     from imgpipe.enroot.prebuilt import Prebuilt
     from imgpipe.enroot.squash import SquashOptions, compression_of
     from imgpipe.registry.reference import Reference
@@ -184,6 +184,12 @@ def get(uri: str) -> Path:
     settings = load_settings(_config_file())
     ref = Reference.parse(uri, default_registry=settings.registry.address)
     enroot = settings.enroot
+    cache = storage(settings)
+    if enroot.cache_writer and cache.shared and not cache.trust.is_admin:
+        from imgpipe.commands.cachewriter import ask_writer
+
+        require_served(ref, settings.registry.address)
+        ask_writer(settings, ref, _say)  # the shared entry, for every user; else our own
     conversion = convert(
         registry_client(settings), storage(settings), ref,
         SquashOptions(compression_of(enroot.default_compression), enroot.zstd_level,

@@ -150,9 +150,9 @@ def convert(client: RegistryClient, storage: Storage, ref: Reference,
     target = _Target(ref, digest, storage.squashfs(ref.repository, digest, options.compression),
                      options, say, started, *([count] if count else []))
 
-    def found() -> Conversion | None:
+    def found(conversions: bool | None = None) -> Conversion | None:
         path = storage.find_squashfs(ref.repository, digest, options.compression,
-                                     _pins(policy), say)
+                                     _pins(policy), say, conversions)
         return None if path is None else replace(target, final=path).result(converted=False)
 
     if (done := found()) is not None:
@@ -169,6 +169,8 @@ def convert(client: RegistryClient, storage: Storage, ref: Reference,
             fetched = _fetch_prebuilt(client, storage, target, policy, connections)
             if fetched is not None:
                 return fetched
+        if (done := found(conversions=True)) is not None:  # pinned, and none to fetch
+            return done
         return _convert_locked(client, storage, target, connections)
 
 

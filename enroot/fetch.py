@@ -58,11 +58,14 @@ def fetch_blob_cached(client: RegistryClient, storage: Storage, repository: str,
     else:
         if stat.S_ISREG(info.st_mode):
             return path, 0  # whoever wrote it, its bytes are hashed wherever they are used
-        # A link, FIFO or folder planted at a blob's name: never read through; this user's
-        # own copy is fetched into its private folder instead.
-        path = storage.private_dir() / digest_hex(digest)
-        if path.exists():
-            return path, 0
+        # A link, FIFO or folder planted at a blob's name: never read through.  Removed
+        # where this user may (its own cache); else its own copy goes to its private folder.
+        try:
+            path.rmdir() if stat.S_ISDIR(info.st_mode) else path.unlink()
+        except OSError:
+            path = storage.private_dir() / digest_hex(digest)
+            if path.exists():
+                return path, 0
     for attempt in range(1, ATTEMPTS + 1):
         try:
             client.fetch_blob(repository, digest, path, progress=on_bytes)

@@ -14,16 +14,21 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import lzma
 import os
 import re
 import shutil
+import struct
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+import zstandard
+
 from imgpipe.base import process
-from imgpipe.base.files import atomic_path
+from imgpipe.base.files import atomic_path, open_regular
 from imgpipe.enroot.errors import ConvertError, NoSpaceError
 from imgpipe.enroot.merge import MergedView
 from imgpipe.enroot.storage import FORMAT, Storage
@@ -208,10 +213,64 @@ def described(path: Path) -> list[tuple[str, str, int]]:
     return entries
 
 
+SUPERBLOCK = struct.Struct("<IIIIIHHHHHHQQQQQQQQ")  # squashfs 4.0, little-endian, 96 bytes
+NO_TABLE = 0xFFFFFFFFFFFFFFFF
+METADATA_UNCOMPRESSED = 0x8000
+
+
+def owners_and_xattrs(path: Path) -> tuple[set[int], bool]:
+    """The uids and gids a squashfs file uses (its id table) and whether it has extended
+    attributes (file capabilities live there), read from the binary superblock and id table:
+    no file name can make these say anything else."""
+    with os.fdopen(open_regular(path), "rb") as handle:
+        head = handle.read(SUPERBLOCK.size)
+        if len(head) < SUPERBLOCK.size:
+            raise ConvertError(f"{path}: too short for a squashfs superblock")
+        fields = SUPERBLOCK.unpack(head)
+        magic, compressor, id_count = fields[0], fields[5], fields[8]
+        id_table, xattr_table = fields[13], fields[14]
+        if magic != 0x73717368:
+            raise ConvertError(f"{path}: not a squashfs file")
+        blocks = (id_count * 4 + 8191) // 8192
+        handle.seek(id_table)
+        pointers = struct.unpack(f"<{blocks}Q", handle.read(8 * blocks))
+        ids: list[int] = []
+        for pointer in pointers:
+            handle.seek(pointer)
+            (header,) = struct.unpack("<H", handle.read(2))
+            data = handle.read(header & 0x7FFF)
+            if not header & METADATA_UNCOMPRESSED:
+                data = _inflate_metadata(compressor, data, path)
+            ids += struct.unpack(f"<{len(data) // 4}I", data[:len(data) // 4 * 4])
+    return set(ids[:id_count]), xattr_table != NO_TABLE
+
+
+def _inflate_metadata(compressor: int, data: bytes, path: Path) -> bytes:
+    if compressor == 1:
+        return zlib.decompress(data)
+    if compressor == 6:
+        return zstandard.ZstdDecompressor().decompress(data, max_output_size=8192)
+    if compressor in (2, 4):
+        return lzma.decompress(data)
+    raise ConvertError(f"{path}: its id table is compressed with a method imgpipe cannot read "
+                       f"(squashfs compressor {compressor})")
+
+
 def check_contents(path: Path, allowed_setuid: set[str] | None) -> int:
-    """Refuse a fetched squashfs holding what no conversion makes: device files, sockets,
-    and (when ``allowed_setuid`` is given: the image's layers' own) setuid or setgid files
-    the layers did not have.  Returns the entry count."""
+    """Refuse a fetched squashfs holding what no conversion makes: files of an owner other
+    than root, extended attributes (file capabilities), device files, sockets, and (when
+    ``allowed_setuid`` is given: the image's layers' own) setuid or setgid files the layers
+    did not have.  Owners and attributes come from the binary superblock and id table, kinds
+    and modes from rdsquashfs's inode listing, where any line it cannot read refuses the
+    file.  Returns the entry count."""
+    owners, has_xattrs = owners_and_xattrs(path)
+    if owners - {0}:
+        raise ConvertError(f"the published squashfs owns files by uid/gid "
+                           f"{', '.join(map(str, sorted(owners - {0})))}, which no conversion "
+                           "makes: refused")
+    if has_xattrs:
+        raise ConvertError("the published squashfs has extended attributes (file capabilities "
+                           "live there), which no conversion makes: refused")
     entries = described(path)
     for kind, name, mode in entries:
         if kind not in ("dir", "file", "slink", "pipe"):

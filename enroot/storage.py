@@ -320,13 +320,17 @@ class Storage:
 
     def find_squashfs(self, repository: str, digest: str, compression: str,
                       pins: frozenset[str] = frozenset(),
-                      say: Callable[[str], None] | None = None) -> Path | None:
-        """The usable entry of ``repository@digest``: a fetched squashfs a pin names, else
-        the conversion.  Found by exact name; used only when a regular file that you, root
-        or the service account wrote and nobody else may change; anything else at those
-        names is ignored, with one line to ``say``."""
+                      say: Callable[[str], None] | None = None,
+                      conversions: bool | None = None) -> Path | None:
+        """The usable entry of ``repository@digest``: a fetched squashfs a pin names, or
+        (``conversions``; by default only when nothing is pinned) the conversion.  Found by
+        exact name; used only when a regular file that you, root or the service account
+        wrote and nobody else may change; anything else at those names is ignored, with one
+        line to ``say``.  A pinned job thus gets the pinned bytes or, once the pinned file
+        could not be had, a conversion from the image's own layers: never another fetch."""
         stems = [fetched_stem(repository, pin) for pin in sorted(pins)]
-        stems.append(conversion_stem(repository, digest, compression))
+        if conversions if conversions is not None else not pins:
+            stems.append(conversion_stem(repository, digest, compression))
         for stem in stems:
             for path in self._candidates(stem):
                 why = check_entry(path, self.trust)

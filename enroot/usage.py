@@ -98,7 +98,7 @@ def entries(storage: Storage) -> list[Entry]:
         for marker in _markers(storage, path):
             with contextlib.suppress(FileNotFoundError):
                 last = max(last, marker.lstat().st_mtime)
-                users.append(marker.name)
+                users.append(marker.name[len(path.name) + 1:])  # host~uid~job~step
         found.append(Entry("squashfs", path, info.st_size, last, users))
     if storage.blobs.is_dir():
         for path in sorted(storage.blobs.iterdir()):

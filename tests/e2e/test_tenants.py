@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import pwd
+import shlex
 import shutil
 import subprocess
 import time
@@ -22,7 +23,7 @@ import pytest
 import requests
 
 from tests import services
-from tests.cluster import USERS, node_cache, system_imgpipe
+from tests.cluster import USERS, node_cache, shared_folder, system_imgpipe
 
 ALICE, BOB = USERS
 CAROL, PUSHER = "imgpipe-carol", "imgpipe-pusher"
@@ -304,3 +305,206 @@ def test_a_forged_referrers_index_makes_gc_delete_nothing_that_stays(site, regis
     done = _get(site, CAROL, f"docker://head:5000#{REPO}@{production}")
     assert done.returncode == 0, done.stderr
     assert f"skipped referrer {production[:19]} of {REPO}: not a squashfs artifact" in done.stderr
+
+
+def _publish_as_pusher(site, registry_server, digest: str, tree: dict[str, tuple[int, int]],
+                       tmp_path: Path, xattr: bool = False) -> str:
+    """The pusher attaches a squashfs of its own making to ``digest``: files of ``tree``
+    ({path: (mode, uid)}), built here as root would; returns the artifact's blob digest."""
+    root = tmp_path / f"tree-{time.monotonic_ns()}"
+    for name, (mode, uid) in tree.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("#!/bin/sh\necho pwned\n")
+        os.chown(path, uid, 0)
+        os.chmod(path, mode)
+        if xattr:
+            os.setxattr(path, "user.imgpipe-test", b"1")
+    squashfs = shared_folder("imgpipe-evil-") / "evil.sqsh"  # where the pusher can read it
+    subprocess.run(["mksquashfs", str(root), str(squashfs), "-noappend", "-quiet", "-comp",
+                    "zstd"], check=True, capture_output=True)
+    os.chmod(squashfs, 0o644)
+    script = (
+        "import hashlib, sys\nfrom pathlib import Path\n"
+        "from imgpipe.registry.client import RegistryClient\n"
+        "from imgpipe.enroot.published import publish\n"
+        f"client = RegistryClient({registry_server.url!r})\n"
+        f"path = Path({str(squashfs)!r})\n"
+        "blob = 'sha256:' + hashlib.sha256(path.read_bytes()).hexdigest()\n"
+        f"subject = client.manifest({REPO!r}, {digest!r})\n"
+        f"publish(client, {REPO!r}, subject, path, blob, 'zstd', 3)\nprint(blob)\n")
+    done = subprocess.run(["runuser", "-u", PUSHER, "--", str(site["bin"] / "python"), "-c",
+                           script], capture_output=True, text=True, timeout=120, cwd="/tmp")
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def _own_config(site, user: str, **enroot) -> Path:
+    """A user's own imgpipe.yaml: the site's cache and registry, with the user's opt-ins."""
+    config = Path(f"/home/{user}/imgpipe.yaml")
+    config.write_text(json.dumps({"registry": {"host": "head", "port": 5000},
+                                  "outputs": {"squashfs_dir": str(site["cache"])},
+                                  "enroot": enroot}))
+    os.chown(config, site["uid"][user], -1)
+    return config
+
+
+@pytest.mark.parametrize(("what", "tree", "xattr", "refusal"), [
+    ("a set-id file", {"usr/bin/evil": (0o4755, 0)}, False,
+     "has a set-id file /usr/bin/evil (mode 4755) that the image's layers do not have"),
+    ("a file of another owner", {"usr/bin/evil": (0o755, 4321)}, False,
+     "owns files by uid/gid 4321, which no conversion makes"),
+    ("extended attributes", {"usr/bin/evil": (0o755, 0)}, True,
+     "has extended attributes (file capabilities live there), which no conversion makes"),
+])
+def test_a_pushers_artifact_is_checked_for_the_user_who_opted_in(site, registry_server,
+                                                                 tmp_path, what, tree, xattr,
+                                                                 refusal) -> None:
+    digest = _image(registry_server, f"artifact-{len(what)}")
+    blob = _publish_as_pusher(site, registry_server, digest, tree, tmp_path, xattr)
+    config = _own_config(site, BOB, prebuilt_unpinned=True)
+    done = _get(site, BOB, f"docker://head:5000#{REPO}@{digest}", config=config)
+    assert done.returncode == 0, done.stderr
+    assert f"refused published squashfs {blob[:19]}: the published squashfs {refusal}" in (
+        done.stderr), done.stderr
+    assert "squash with" in done.stderr  # converted instead
+
+
+def test_what_a_user_opts_into_is_never_what_another_user_receives(site, registry_server,
+                                                                    tmp_path) -> None:
+    """bob opts in to unpinned artifacts in his own config, and pins the pusher's file in
+    his own environment: he gets it, under his own name; carol gets the genuine bytes."""
+    digest, genuine = _genuine(site, registry_server, "optin")
+    genuine_bytes = _sha256(genuine)
+    blob = _publish_as_pusher(site, registry_server, digest, {"usr/bin/tool": (0o755, 0)},
+                              tmp_path)
+    config = _own_config(site, BOB, prebuilt_unpinned=True)
+    for env in ({}, {"IMGPIPE_SQUASHFS_PINS": f"{digest}={blob}"}):
+        done = _get(site, BOB, f"docker://head:5000#{REPO}@{digest}", config=config, env=env)
+        assert done.returncode == 0, done.stderr
+        got = Path(done.stdout.strip())
+        assert got.name.endswith(f"+squashfs-sha256-{blob[7:]}.u{site['uid'][BOB]}.sqsh"), got
+        assert _sha256(got) == blob
+    for env in ({}, {"IMGPIPE_SQUASHFS_PINS": f"{digest}={blob}"}):
+        done = _get(site, CAROL, f"docker://head:5000#{REPO}@{digest}", env=env)
+        assert done.returncode == 0, done.stderr
+        got = Path(done.stdout.strip())
+        assert got.stat().st_uid != site["uid"][BOB]
+        if env:  # carol pinned the pusher's file herself: she fetches it, into her own name
+            assert got.name.endswith(f".u{site['uid'][CAROL]}.sqsh") and _sha256(got) == blob
+        else:
+            assert "is not pinned: converting" in done.stderr, done.stderr
+            assert _sha256(got) == genuine_bytes
+    private = site["cache"] / ".imgpipe" / "tmp" / f"u{site['uid'][CAROL]}"
+    done = _as(site, BOB, f"ln /home/{BOB}/imgpipe.yaml {private}/sqsh-{blob[7:]}.part")
+    assert done.returncode != 0  # no hard link (or anything) planted at her partial download
+
+
+def test_a_record_folder_another_user_made_is_not_used(site, registry_server) -> None:
+    digest = _image(registry_server, "xdg")
+    planted = Path(f"/tmp/imgpipe-xdg-{os.getpid()}")
+    assert _as(site, BOB, f"mkdir -m 777 {planted}").returncode == 0
+    done = _get(site, CAROL, f"docker://head:5000#{REPO}@{digest}",
+                env={"XDG_RUNTIME_DIR": str(planted), "SLURM_JOB_ID": "77"})
+    assert done.returncode == 0, done.stderr
+    assert not list(planted.iterdir())  # nothing of carol's in bob's folder
+    assert list(Path(f"/home/{CAROL}/.cache/imgpipe").glob("importer.*.77.*"))
+    shutil.rmtree(planted)
+
+
+def test_registry_ls_lists_past_a_forged_index(site, registry_server, tmp_path) -> None:
+    """An index the pusher tags under an image's subject that names another index: listed
+    images are listed, the forgery skipped."""
+    production = _image(registry_server, "listed")
+    size = len(requests.get(f"{registry_server.url}/v2/{REPO}/manifests/{production}",
+                            timeout=30, headers={"Accept": "application/vnd.docker."
+                                                 "distribution.manifest.v2+json"}).content)
+    inner = json.dumps({"schemaVersion": 2,
+                        "mediaType": "application/vnd.oci.image.index.v1+json",
+                        "manifests": [{"mediaType": "application/vnd.docker.distribution."
+                                       "manifest.v2+json", "digest": production, "size": size}]})
+    outer = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
+             "manifests": [{"mediaType": "application/vnd.oci.image.index.v1+json",
+                            "digest": services.digest_of(inner.encode()),
+                            "size": len(inner), "artifactType":
+                            "application/vnd.imgpipe.squashfs.v1"}]}
+    for tag, body in (("inner-index", inner), (f"sha256-{production[7:]}", json.dumps(outer))):
+        requests.put(f"{registry_server.url}/v2/{REPO}/manifests/{tag}", data=body, timeout=30,
+                     headers={"Content-Type": "application/vnd.oci.image.index.v1+json"}
+                     ).raise_for_status()
+    config = tmp_path / "imgpipe.yaml"
+    config.write_text(json.dumps({"registry": {"port": registry_server.port}}))
+    done = subprocess.run([str(site["bin"] / "imgpipe"), "--config", str(config), "registry",
+                           "ls"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    [line] = [x for x in done.stdout.splitlines() if x.startswith(f"{REPO}  ")]
+    assert "listed" in line.split("  ")[1].split(", "), done.stdout
+
+
+SERVICE = "imgpipe-cache"
+
+
+@pytest.fixture(scope="module")
+def shared_writer(site):
+    """The site's trusted writer: the service account owns the cache's layout, and every job
+    user may run exactly the writer as it, through a sudoers line the test removes after."""
+    from imgpipe.enroot.storage import Storage
+    from imgpipe.enroot.trust import CacheTrust
+
+    service = _ensure_user(SERVICE)
+    folder = shared_folder("imgpipe-writer-")
+    cache = folder / "squashfs"
+    Storage(cache, CacheTrust.of(SERVICE)).make_layout()
+    writer = site["bin"] / "imgpipe-cache-writer"
+    config = folder / "imgpipe.yaml"
+    config.write_text(json.dumps({
+        "registry": {"host": "head", "port": 5000}, "outputs": {"squashfs_dir": str(cache)},
+        "enroot": {"cache_owner": SERVICE, "cache_writer": f"{writer} --config {config}"}}))
+    os.chmod(config, 0o644)
+    sudoers = Path(f"/etc/sudoers.d/imgpipe-tests-{os.getpid()}")
+    line = f"ALL ALL=({SERVICE}) NOPASSWD: {writer} --config {config} *\n"
+    staged = folder / "sudoers"
+    staged.write_text(line)
+    subprocess.run(["visudo", "-cqf", str(staged)], check=True, capture_output=True)
+    os.chmod(staged, 0o440)
+    shutil.move(staged, sudoers)
+    try:
+        yield {"cache": cache, "config": config, "writer": writer, "uid": service}
+    finally:
+        sudoers.unlink()
+
+
+def test_the_service_account_converts_once_for_every_user(site, shared_writer,
+                                                          registry_server) -> None:
+    digest = _image(registry_server, "writer")
+    uri = f"docker://head:5000#{REPO}@{digest}"
+    first = _get(site, ALICE, uri, config=shared_writer["config"])
+    assert first.returncode == 0, first.stderr
+    assert f"asking {SERVICE} to convert" in first.stderr
+    path = Path(first.stdout.strip())
+    assert path.name == f"tenants+img+sha256-{digest[7:]}+zstd-f2.sqsh"  # the shared name
+    assert path.stat().st_uid == shared_writer["uid"] and path.stat().st_mode & 0o777 == 0o644
+    second = _get(site, BOB, uri, node=1, config=shared_writer["config"])
+    assert second.returncode == 0 and second.stdout.strip() == str(path), second.stderr
+    assert "squash with" not in second.stderr and "asking" not in second.stderr
+
+
+def test_the_writer_is_a_narrow_path(site, shared_writer, tmp_path) -> None:
+    """bob may run the writer as the service account, but only with the site's config and
+    one REPOSITORY@sha256:HEX argument: his own config, another program or an argument of
+    another form is refused."""
+    writer, config = shared_writer["writer"], shared_writer["config"]
+    evil = Path(f"/home/{BOB}/writer.yaml")
+    evil.write_text(json.dumps({"outputs": {"squashfs_dir": f"/home/{BOB}"}}))
+    os.chown(evil, site["uid"][BOB], -1)
+    for argv, refusal in (
+            ([str(writer), "--config", str(evil), f"{REPO}@sha256:{'0' * 64}"], "password"),
+            (["/bin/sh", "-c", "id"], "password"),
+            ([str(writer), "--config", str(config), "../../etc/passwd@sha256:00"],
+             "the cache writer takes REPOSITORY@sha256:HEX"),
+            ([str(writer), "--config", str(config), f"{REPO}:latest"],
+             "the cache writer takes REPOSITORY@sha256:HEX")):
+        done = _as(site, BOB, f"sudo -n -u {SERVICE} " + " ".join(map(shlex.quote, argv)))
+        assert done.returncode != 0, argv
+        assert refusal in done.stderr, (argv, done.stderr)
+    assert "Traceback" not in done.stderr

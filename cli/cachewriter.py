@@ -1,0 +1,62 @@
+"""``imgpipe-cache-writer [--config FILE] REPOSITORY@sha256:HEX``: the service account's
+conversion for every user (``imgpipe.commands.cachewriter``), run by the importer through the
+sudoers line a site writes.  It prints the shared entry's path; anything else is one line on
+stderr and exit 1 (2 for a call of the wrong form)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+
+USAGE = "usage: imgpipe-cache-writer [--config FILE] REPOSITORY@sha256:HEX"
+SITE_CONFIG = "/etc/imgpipe/imgpipe.yaml"
+
+
+def _trusted_config(path: str) -> str | None:
+    """Why ``path`` may not configure the writer, or None: it must be a regular file root or
+    this account owns, that nobody else may write (a job user's would choose the cache)."""
+    try:
+        info = os.lstat(path)
+    except OSError as exc:
+        return f"{path}: {exc.strerror}"
+    if not stat.S_ISREG(info.st_mode) or info.st_uid not in (0, os.getuid()) \
+            or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return (f"{path}: the cache writer reads only a config root or this account owns and "
+                f"nobody else may write (uid {info.st_uid}, mode "
+                f"{stat.S_IMODE(info.st_mode):04o})")
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    config = SITE_CONFIG
+    if len(args) == 3 and args[0] == "--config":
+        config, args = args[1], args[2:]
+    if len(args) != 1:
+        print(USAGE, file=sys.stderr)
+        return 2
+    why = _trusted_config(config)
+    if why is not None:
+        print(f"imgpipe-cache-writer: error: {why}", file=sys.stderr)
+        return 1
+    from imgpipe.base.config import load_settings
+    from imgpipe.base.errors import ImgpipeError
+    from imgpipe.commands.cachewriter import write_shared
+
+    try:
+        written = write_shared(load_settings(config), args[0],
+                               say=lambda text: print(f"imgpipe-cache-writer: {text}",
+                                                      file=sys.stderr, flush=True))
+    except ImgpipeError as exc:
+        print(f"imgpipe-cache-writer: error: {exc}", file=sys.stderr)
+        return 1
+    print(written.path, flush=True)
+    return 0
+
+
+def run() -> None:
+    from imgpipe.base.process import raise_on_sigterm
+
+    raise_on_sigterm()
+    sys.exit(main())
