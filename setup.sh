@@ -25,6 +25,7 @@ PACKAGES=(
   slurm-wlm munge iproute2           # the multi-host sandbox Slurm (network namespaces)
   charliecloud-runtime squashfuse fuse3   # ch-run: jobs in containers from squashfs files
   shellcheck curl ca-certificates util-linux
+  sudo                               # the cache writer's one sudoers line (tests/e2e/test_tenants.py)
   chromium                           # headless: the report page's test
   python3 python3-venv python3-pip
   g++ python3-dev                    # torch.compile's CPU backend (the trainer's compile test)

@@ -13,7 +13,6 @@ import errno
 import hashlib
 import os
 import re
-import secrets
 import socket
 import stat
 from collections.abc import Iterator
@@ -56,7 +55,7 @@ def temporary_name(final: Path) -> Path:
     """A name beside ``final``, unique per host and process and not guessable: in a folder
     other users write (the shared squashfs cache), a name they could predict is a name they
     could plant a link at.  It ends with its owner (``~host~pid~start~random``)."""
-    return final.with_name(f"{TMP_PREFIX}{final.name}{owner_tag()}~{secrets.token_hex(6)}")
+    return final.with_name(f"{TMP_PREFIX}{final.name}{owner_tag()}~{os.urandom(6).hex()}")
 
 
 @contextlib.contextmanager

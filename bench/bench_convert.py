@@ -69,7 +69,8 @@ def ours(client: RegistryClient, ref: Reference, compression: str, work: Path
     done = convert(client, storage, ref, SquashOptions(compression))  # type: ignore[arg-type]
     cold = time.perf_counter() - started
     started = time.perf_counter()
-    again = convert(client, storage, ref.with_digest(done.digest))
+    again = convert(client, storage, ref.with_digest(done.digest),
+                    SquashOptions(compression))  # type: ignore[arg-type]
     warm = time.perf_counter() - started
     assert not again.converted
     size = done.size

@@ -49,6 +49,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--registry", default="127.0.0.1:5000")
     parser.add_argument("--image", default="imgpipe/bert:latest-cpu")
+    parser.add_argument("--as-user", default=None, metavar="USER",
+                        help="run the importer as USER (a job user) on a shared cache that "
+                        "root set up (node-config --make-cache), as on a cluster")
     args = parser.parse_args()
     importer = str(system_imgpipe(ROOT) / "imgpipe-pyxis-importer")
     host, port = args.registry.rsplit(":", 1)
@@ -58,14 +61,26 @@ def main() -> None:
                           f"outputs: {{squashfs_dir: {folder}/sqsh}}\n")
         env = {**os.environ, "IMGPIPE_CONFIG": str(config), "XDG_RUNTIME_DIR": folder,
                "SLURM_JOB_ID": "1", "SLURM_STEP_ID": "0"}
+        if args.as_user:
+            from imgpipe.enroot.storage import Storage
+
+            os.chmod(folder, 0o755)
+            Storage(Path(folder) / "sqsh").make_layout()
+            env.pop("XDG_RUNTIME_DIR")  # the user's own ~/.cache/imgpipe holds the record
+            importer_argv = ["runuser", "-u", args.as_user, "--", importer]
+        else:
+            importer_argv = [importer]
         repository, tag = args.image.rsplit(":", 1)
         by_tag = f"docker://{host}:{port}#{repository}:{tag}"
-        first = subprocess.run([importer, "get", by_tag], env=env, capture_output=True,
+        first = subprocess.run([*importer_argv, "get", by_tag], env=env, capture_output=True,
                                text=True, timeout=1800, check=True).stdout.strip()
         digest = "sha256:" + first.split("+sha256-")[1].split("+")[0]
         by_digest = f"docker://{host}:{port}#{repository}@{digest}"
-        cases = {"get by digest": [importer, "get", by_digest],
-                 "get by tag": [importer, "get", by_tag], "release": [importer, "release"]}
+        cases = {"get by digest": [*importer_argv, "get", by_digest],
+                 "get by tag": [*importer_argv, "get", by_tag],
+                 "release": [*importer_argv, "release"]}
+        if args.as_user:
+            cases["runuser alone"] = ["runuser", "-u", args.as_user, "--", "/bin/true"]
         print(f"image {args.image}: {first} (converted once before timing)")
         for name, argv in cases.items():
             cold = timed(argv, env) if drop_caches() else None

@@ -130,9 +130,10 @@ def put_image(registry: services.RegistryProcess, name: str, state: Path,
 
 
 def empty_cache(cache: Path) -> None:
+    from imgpipe.enroot.storage import Storage
+
     shutil.rmtree(cache, ignore_errors=True)
-    cache.mkdir()
-    os.chmod(cache, 0o1777)  # node-config's shared folder: every user writes, none replaces
+    Storage(cache).make_layout()  # node-config --make-cache: 1777, the layout root's
 
 
 def start(sandbox: Sandbox, work: Path, shape: str, nodes: int, env: dict[str, str],

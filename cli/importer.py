@@ -73,6 +73,17 @@ def _config_file() -> str | None:
                                                  else None)
 
 
+_QUICK: dict[str | None, dict[str, Any] | None] = {}
+
+
+def _quick() -> dict[str, Any] | None:
+    """quick_settings of this process's config file, read once."""
+    path = _config_file()
+    if path not in _QUICK:
+        _QUICK[path] = quick_settings(path)
+    return _QUICK[path]
+
+
 def quick_settings(path: str | None) -> dict[str, Any] | None:
     """The few settings the fast path needs, read with yaml alone; None when the file
     says anything the fast path would have to interpret (then the full loader decides)."""
@@ -142,7 +153,7 @@ def fast_get(uri: str) -> Path | None:
     from imgpipe.registry.errors import ReferenceFormatError
     from imgpipe.registry.reference import Reference
 
-    quick = quick_settings(_config_file())
+    quick = _quick()
     if quick is None:
         return None
     try:
@@ -212,7 +223,7 @@ def _record(squashfs: Path) -> None:
     from imgpipe.enroot.trust import CacheTrust
     from imgpipe.enroot.usage import record_use
 
-    quick = quick_settings(_config_file()) or {}
+    quick = _quick() or {}
     cache = Storage(squashfs.parent, CacheTrust.of(quick.get("cache_owner")))
     marker = record_use(cache, squashfs, os.environ.get("SLURM_JOB_ID", "nojob"),
                         os.environ.get("SLURM_STEP_ID", "nostep"))

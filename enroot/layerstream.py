@@ -70,10 +70,12 @@ class TarSource(Protocol):
 class _Inflater:
     """The reading thread: blob -> hash -> decompress -> hash -> a bounded queue."""
 
-    def __init__(self, handle: BinaryIO, magic: bytes, hashing: bool) -> None:
+    def __init__(self, handle: BinaryIO, magic: bytes, hashing: bool,
+                 tar_hashing: bool = True) -> None:
         self.handle, self.magic, self.count = handle, magic, 0
         self.sha256 = hashlib.sha256() if hashing else None  # of the blob
-        self.tar_sha256 = hashlib.sha256() if hashing else None  # of the tar (the diff_id)
+        # of the tar (the diff_id)
+        self.tar_sha256 = hashlib.sha256() if hashing and tar_hashing else None
         self.queue: queue.Queue[object] = queue.Queue(maxsize=AHEAD)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="layer-reader", daemon=True)
@@ -244,7 +246,7 @@ class ForwardReader(ChunkReader):
         """Read the stream to its end (the decompressor checks its trailer) and compare the
         blob with its digest and the tar with the config's diff_id."""
         inflater = self.compressed
-        assert inflater.sha256 is not None and inflater.tar_sha256 is not None
+        assert inflater.sha256 is not None
         try:
             while self.read_view(self.STEP):
                 pass
@@ -254,8 +256,10 @@ class ForwardReader(ChunkReader):
         found = f"sha256:{inflater.sha256.hexdigest()}"
         if found != layer.digest:
             raise BlobDigestError(layer.digest, found, layer.path)
+        if layer.diff_id is None or inflater.tar_sha256 is None:
+            return
         tar_digest = f"sha256:{inflater.tar_sha256.hexdigest()}"
-        if layer.diff_id is not None and tar_digest != layer.diff_id:
+        if tar_digest != layer.diff_id:
             raise HostileLayerError(layer.digest, "(content)",
                                     f"its uncompressed content hashes to {tar_digest[:19]}, "
                                     f"not to the image config's diff_id {layer.diff_id[:19]}")
@@ -266,9 +270,10 @@ class ForwardReader(ChunkReader):
         super().close()
 
 
-def open_layer(path: Path, verify: bool = True) -> ForwardReader:
+def open_layer(path: Path, verify: bool = True, tar_hashing: bool = True) -> ForwardReader:
     """The uncompressed tar stream of a layer blob (gzip, zstd or plain, by magic), hashed
-    on the way for :meth:`ForwardReader.verify` unless ``verify`` is False."""
+    on the way for :meth:`ForwardReader.verify` unless ``verify`` is False (the tar itself
+    too unless ``tar_hashing`` is False: only a diff_id check needs it)."""
     handle = os.fdopen(open_regular(path), "rb", buffering=0)
     try:
         magic = handle.read(4)
@@ -276,4 +281,4 @@ def open_layer(path: Path, verify: bool = True) -> ForwardReader:
     except OSError:
         handle.close()
         raise
-    return ForwardReader(_Inflater(cast(BinaryIO, handle), magic, verify))
+    return ForwardReader(_Inflater(cast(BinaryIO, handle), magic, verify, tar_hashing))

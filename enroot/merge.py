@@ -131,7 +131,7 @@ def read_members(layer: LayerSource) -> list[Member]:
         # Pass 1 verifies the blob too: pass 2 places bytes by the headers and offsets read
         # here, so they must come from the very bytes the digest names (a shared cache's
         # blob can change between the passes; pass 2 verifies its own read again).
-        raw = open_layer(layer.path)
+        raw = open_layer(layer.path, tar_hashing=layer.diff_id is not None)
     except OSError as exc:
         raise HostileLayerError(layer.digest, "(blob)", f"cannot read: {exc}") from exc
     with raw:

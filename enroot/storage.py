@@ -38,7 +38,6 @@ import fcntl
 import grp
 import os
 import pwd
-import secrets
 import shutil
 import socket
 import stat
@@ -448,7 +447,7 @@ class Storage:
         writeback dominated (bert's tree: 32 s on disk, 6 s in RAM).  Made exclusively,
         mode 0700, under a name nobody can guess.
         """
-        name = f"{digest_hex(digest)}{owner_tag()}~{secrets.token_hex(6)}"
+        name = f"{digest_hex(digest)}{owner_tag()}~{os.urandom(6).hex()}"
         parent = self.tmp
         if needs_bytes and RAM_DIR.is_dir():
             free = shutil.disk_usage(RAM_DIR).free
