@@ -238,7 +238,7 @@ def _record(squashfs: Path) -> None:
 def release() -> None:
     """End this step's use of the entry it got; the shared file itself always stays.  The
     record must be this user's own regular file, and the marker it names this user's,
-    directly in the uses folder it recorded (compared after resolving the path)."""
+    directly in the configured cache's uses folder (compared after resolving the path)."""
     import stat
 
     record = _step_record()
@@ -251,11 +251,13 @@ def release() -> None:
         if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
             raise OSError(f"{record} is not your own step record: refused")
         lines = handle.read(8192).splitlines()
-    if len(lines) == 2:
+    quick = _quick() or {}
+    configured = quick.get("squashfs_dir")
+    if len(lines) == 2 and configured is not None:
         uses, name = lines
         mine = f"~{os.getuid()}~"
-        if (os.path.basename(uses) == "uses" and "/" not in name and mine in name
-                and os.path.realpath(uses) == uses):
+        expected = os.path.join(os.path.realpath(configured), ".imgpipe", "uses")
+        if "/" not in name and mine in name and os.path.realpath(uses) == expected == uses:
             marker = os.path.join(uses, name)
             with contextlib.suppress(FileNotFoundError):
                 if os.lstat(marker).st_uid == os.getuid():

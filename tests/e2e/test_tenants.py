@@ -222,7 +222,8 @@ def test_the_step_record_is_private_and_release_removes_only_its_own(site, regis
     cluster = site["cluster"]
     for user in (ALICE, ALICE):
         released = cluster.run([str(site["bin"] / "imgpipe-pyxis-importer"), "release"],
-                               user=user, host=cluster.spec.nodes[0], cwd="/tmp")
+                               user=user, host=cluster.spec.nodes[0], cwd="/tmp",
+                               env={"IMGPIPE_CONFIG": str(site["config"])})
         assert released.returncode == 0, released.stderr
     left = list(uses.glob("*~*"))
     assert not [p for p in left if p.stat().st_uid == site["uid"][ALICE]

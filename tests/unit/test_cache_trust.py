@@ -104,3 +104,20 @@ def test_a_job_user_cannot_make_or_adopt_the_shared_layout(tmp_path: Path) -> No
 def test_text_other_users_wrote_reaches_a_terminal_escaped() -> None:
     assert shown("host:1 \x1b]0;pwned\x07\n") == "host:1 \\x1b]0;pwned\\x07\\n"
     assert shown("é") == "\\xe9" and shown("x" * 200).endswith("...")
+
+
+def test_doctor_names_what_was_planted_in_the_cache(tmp_path: Path) -> None:
+    from imgpipe.base.config import load_settings
+    from imgpipe.commands.doctor import check_cache
+
+    cache = shared_cache(tmp_path, 0)
+    config = tmp_path / "imgpipe.yaml"
+    config.write_text(f"outputs: {{squashfs_dir: {cache.root}}}\n")
+    assert check_cache(load_settings(str(config))).verdict == "ok"
+    planted = plant(cache.root / f"imgpipe+bert+sha256-{'a' * 64}+zstd-f2.sqsh", ATTACKER)
+    (cache.blobs / ("b" * 64)).symlink_to("/etc/shadow")
+    found = check_cache(load_settings(str(config)))
+    assert found.verdict == "warn"
+    assert f"{planted}: a shared name written by uid {ATTACKER}, a job user" in found.detail
+    assert f"{cache.blobs / ('b' * 64)}: not a regular file" in found.detail
+    assert "node-config --make-cache" in (found.fix or "")
