@@ -62,10 +62,11 @@ def main() -> None:
         env = {**os.environ, "IMGPIPE_CONFIG": str(config), "XDG_RUNTIME_DIR": folder,
                "SLURM_JOB_ID": "1", "SLURM_STEP_ID": "0"}
         if args.as_user:
+            from imgpipe.enroot.cachelayout import make_layout
             from imgpipe.enroot.storage import Storage
 
             os.chmod(folder, 0o755)
-            Storage(Path(folder) / "sqsh").make_layout()
+            make_layout(Storage(Path(folder) / "sqsh"))
             env.pop("XDG_RUNTIME_DIR")  # the user's own ~/.cache/imgpipe holds the record
             importer_argv = ["runuser", "-u", args.as_user, "--", importer]
         else:

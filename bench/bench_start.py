@@ -130,10 +130,11 @@ def put_image(registry: services.RegistryProcess, name: str, state: Path,
 
 
 def empty_cache(cache: Path) -> None:
+    from imgpipe.enroot.cachelayout import make_layout
     from imgpipe.enroot.storage import Storage
 
     shutil.rmtree(cache, ignore_errors=True)
-    Storage(cache).make_layout()  # node-config --make-cache: 1777, the layout root's
+    make_layout(Storage(cache))  # node-config --make-cache: 1777, the layout root's
 
 
 def start(sandbox: Sandbox, work: Path, shape: str, nodes: int, env: dict[str, str],

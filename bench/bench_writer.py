@@ -28,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from imgpipe.enroot.cachelayout import make_layout  # noqa: E402
 from imgpipe.enroot.storage import Storage  # noqa: E402
 from imgpipe.enroot.trust import CacheTrust  # noqa: E402
 from tests.cluster import USERS, ensure_users, system_imgpipe  # noqa: E402
@@ -88,7 +89,7 @@ def main() -> None:
         for _ in range(args.runs):
             for name in ("own", "writer"):
                 shutil.rmtree(cache, ignore_errors=True)
-                Storage(cache, CacheTrust.of(SERVICE)).make_layout()
+                make_layout(Storage(cache, CacheTrust.of(SERVICE)))
                 took, said = timed_get(importer, alice, uri, configs[name])
                 assert ("asking" in said) == (name == "writer"), said
                 results[name].append(took)

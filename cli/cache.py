@@ -10,6 +10,7 @@ from imgpipe.base.units import human_bytes, parse_size
 from imgpipe.cli.clikit import CONTEXT, parsed_by, reporting, settings_of
 from imgpipe.cli.output import Result
 from imgpipe.commands.wiring import shown, storage
+from imgpipe.enroot.cachelayout import audit
 from imgpipe.enroot.usage import entries, prune
 
 
@@ -37,7 +38,7 @@ def ls_command(ctx: click.Context) -> Result:
     anything unsafe in the cache (wrong owners or modes, links, planted entries)."""
     cache = storage(settings_of(ctx))
     found = entries(cache)
-    unsafe = cache.audit()
+    unsafe = audit(cache)
     now = time.time()
     lines = [f"{'kind':<8} {'size':>10} {'last use':>9}  name (users)"]
     for entry in found:

@@ -13,6 +13,7 @@ from imgpipe.cli.output import Result
 from imgpipe.commands.convert import convert_and_record
 from imgpipe.commands.published import verify
 from imgpipe.commands.wiring import storage
+from imgpipe.enroot.cachelayout import make_layout
 from imgpipe.enroot.convert import Conversion
 from imgpipe.enroot.nodeconfig import (
     PYXIS_SO_CANDIDATES,
@@ -148,7 +149,7 @@ def _make_cache(ctx: click.Context, folder: str, group: str | None) -> Result:
         except KeyError:
             raise click.BadParameter(f"no group {group!r} on this host",
                                      param_hint="--group") from None
-    done = cache.make_layout(group)
+    done = make_layout(cache, group)
     lines = done or [f"{cache.root}: set up already"]
     return Result({"squashfs_dir": str(cache.root), "changes": done},
                   [*lines, f"{cache.root}: ready for every job user (owner "

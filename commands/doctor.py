@@ -164,10 +164,11 @@ def check_disk(settings: Settings) -> Check:
 def check_cache(settings: Settings) -> Check:
     """The squashfs cache's layout and entries, as the threat model wants them."""
     from imgpipe.commands.wiring import storage
+    from imgpipe.enroot.cachelayout import audit
 
     try:
         cache = storage(settings)
-        problems = cache.audit()
+        problems = audit(cache)
     except ImgpipeError as exc:
         return Check("squashfs cache", "warn", exc.message, exc.hint, required=False)
     if problems:

@@ -35,9 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import grp
 import os
-import pwd
 import shutil
 import socket
 import stat
@@ -156,103 +154,6 @@ class Storage:
         except OSError as exc:
             raise ConvertError(f"cannot use squashfs directory {self.root}: {exc.strerror}",
                                hint="set outputs.squashfs_dir to a writable folder") from exc
-
-    def make_layout(self, group: str | None = None) -> list[str]:
-        """Set the shared cache up the safe way (root or the service account only): the root
-        folder 1777 (3775 with ``group``: every job user in it), the layout under it owned
-        by the service account (or root), VERSION written.  Idempotent; a layout folder a job
-        user made is refused, never adopted.  Returns what it did, a line each."""
-        if not self.trust.is_admin:
-            raise ConvertError(f"only {self.trust.admin_names()} may set up the shared cache "
-                               f"{self.root}", hint="run it as root: sudo imgpipe node-config "
-                               f"--make-cache {self.root}")
-        owner = self.trust.me
-        if self.trust.me == 0 and self.trust.service:
-            owner = pwd.getpwnam(self.trust.service).pw_uid
-        gid = grp.getgrnam(group).gr_gid if group else pwd.getpwuid(owner).pw_gid
-        mode = 0o3775 if group else 0o1777
-        done: list[str] = []
-        if make_shared_dir(self.root, mode) or self.root.is_dir():
-            self._adopt(self.root, owner, gid, mode, done)
-        for folder, folder_mode in self.layout():
-            if make_shared_dir(folder, folder_mode):
-                done.append(f"made {folder}")
-            self._adopt(folder, owner, gid, folder_mode, done)
-        version = self.meta / "VERSION"
-        if check_entry(version, self.trust) != "" and check_entry(version, self.trust):
-            raise ConvertError(f"{version}: {check_entry(version, self.trust)}",
-                               hint=f"remove it; it was not written by {self.trust.admin_names()}")
-        for path, text in ((version, LAYOUT_VERSION + "\n"), (self.meta / "CACHEDIR.TAG",
-                                                             CACHEDIR_TAG)):
-            if not path.exists():
-                atomic_write(path, text, mode=0o644)
-                os.chown(path, owner, gid, follow_symlinks=False)
-                done.append(f"wrote {path}")
-        check_layout_folder(self.root, self.trust, self.shared)
-        return done
-
-    def _adopt(self, folder: Path, owner: int, gid: int, mode: int, done: list[str]) -> None:
-        try:  # the folder itself, never a link: changed through its descriptor
-            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as exc:
-            raise ConvertError(f"{folder} is not a directory (a link or a file stands there)",
-                               hint=f"remove it, then run imgpipe node-config --make-cache "
-                               f"{self.root} again") from exc
-        try:
-            self._adopt_fd(fd, folder, owner, gid, mode, done)
-        finally:
-            os.close(fd)
-
-    def _adopt_fd(self, fd: int, folder: Path, owner: int, gid: int, mode: int,
-                  done: list[str]) -> None:
-        info = os.fstat(fd)
-        if not self.trust.trusts(info.st_uid):
-            raise ConvertError(f"{folder} was made by {user_name(info.st_uid)}, a job user: "
-                               "what it holds cannot be trusted",
-                               hint=f"move it aside (mv {folder} {folder}.suspect), then run "
-                               "this again")
-        if (info.st_uid, info.st_gid, stat.S_IMODE(info.st_mode)) != (owner, gid, mode):
-            os.fchown(fd, owner, gid)
-            os.fchmod(fd, mode)
-            done.append(f"{folder}: owner {user_name(owner)}, mode {mode:04o}")
-
-    def audit(self) -> list[str]:
-        """What is unsafe in this cache, a line each (`imgpipe doctor`, `cache ls`): layout
-        folders of the wrong owner or mode, links or other non-files at entry, blob and lock
-        paths, shared names a job user wrote, own names of another owner."""
-        if not self.root.exists():
-            return []
-        problems = []
-        shared = self.shared
-        for folder in [self.root, *(f for f, _ in self.layout())]:
-            if not folder.exists() and not folder.is_symlink():
-                if shared:
-                    problems.append(f"{folder} is missing: imgpipe node-config --make-cache "
-                                    f"{self.root}")
-                continue
-            try:
-                check_layout_folder(folder, self.trust, shared)
-            except ConvertError as exc:
-                problems.append(str(exc))
-        for path in sorted(self.root.glob("*.sqsh")):
-            info = path.lstat()
-            uid = _own_name_uid(path.name)
-            if stat.S_ISLNK(info.st_mode) or not stat.S_ISREG(info.st_mode):
-                problems.append(f"{path}: not a regular file (ignored by every job)")
-            elif uid is not None and info.st_uid != uid:
-                problems.append(f"{path}: named for uid {uid} but owned by "
-                                f"{user_name(info.st_uid)} (planted)")
-            elif uid is None and shared and info.st_uid not in self.trust.admins:
-                problems.append(f"{path}: a shared name written by {user_name(info.st_uid)}, "
-                                "a job user (ignored by every job)")
-            elif info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-                problems.append(f"{path}: writable by other users (ignored by every job)")
-        for folder in (self.blobs, self.locks, self.uses):
-            if folder.is_dir() and not folder.is_symlink():
-                for path in sorted(folder.iterdir()):
-                    if not stat.S_ISREG(path.lstat().st_mode):
-                        problems.append(f"{path}: not a regular file (never read)")
-        return problems
 
     def _check_version(self) -> None:
         version_file = self.meta / "VERSION"
@@ -457,13 +358,6 @@ class Storage:
         path = parent / name
         path.mkdir(mode=0o700, exist_ok=False)
         return path
-
-
-def _own_name_uid(name: str) -> int | None:
-    """The uid a job user's own entry name carries (``….u<uid>.sqsh``), else None."""
-    stem = name.removesuffix(".sqsh")
-    head, dot, uid = stem.rpartition(".u")
-    return int(uid) if dot and head and uid.isdigit() else None
 
 
 def conversion_stem(repository: str, digest: str, compression: str) -> str:

@@ -48,11 +48,12 @@ def node_cache(prefix: str) -> tuple[Path, Path]:
     """What node-config sets up on a cluster: an empty squashfs folder every user shares
     (1777, its layout root's: `imgpipe node-config --make-cache`) and the nodes'
     imgpipe.yaml naming it and the head's registry."""
+    from imgpipe.enroot.cachelayout import make_layout
     from imgpipe.enroot.storage import Storage
 
     shared = shared_folder(prefix)
     squashfs = shared / "squashfs"
-    Storage(squashfs).make_layout()
+    make_layout(Storage(squashfs))
     config = shared / "imgpipe.yaml"
     config.write_text(json.dumps({"registry": {"host": "head", "port": 5000},
                                   "outputs": {"squashfs_dir": str(squashfs)}}))

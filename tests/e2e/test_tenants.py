@@ -449,13 +449,14 @@ SERVICE = "imgpipe-cache"
 def shared_writer(site):
     """The site's trusted writer: the service account owns the cache's layout, and every job
     user may run exactly the writer as it, through a sudoers line the test removes after."""
+    from imgpipe.enroot.cachelayout import make_layout
     from imgpipe.enroot.storage import Storage
     from imgpipe.enroot.trust import CacheTrust
 
     service = _ensure_user(SERVICE)
     folder = shared_folder("imgpipe-writer-")
     cache = folder / "squashfs"
-    Storage(cache, CacheTrust.of(SERVICE)).make_layout()
+    make_layout(Storage(cache, CacheTrust.of(SERVICE)))
     writer = site["bin"] / "imgpipe-cache-writer"
     config = folder / "imgpipe.yaml"
     config.write_text(json.dumps({

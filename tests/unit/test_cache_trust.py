@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from imgpipe.enroot.cachelayout import audit, make_layout
 from imgpipe.enroot.errors import ConvertError
 from imgpipe.enroot.storage import Storage
 from imgpipe.enroot.trust import CacheTrust, shown
@@ -21,7 +22,7 @@ JOB_USER, ATTACKER = 4242, 4343
 
 def shared_cache(tmp_path: Path, me: int) -> Storage:
     root = tmp_path / "cache"
-    Storage(root).make_layout()  # as root does
+    make_layout(Storage(root))  # as root does
     return Storage(root, CacheTrust(me, frozenset({0})))
 
 
@@ -86,19 +87,19 @@ def test_a_job_user_cannot_make_or_adopt_the_shared_layout(tmp_path: Path) -> No
     with pytest.raises(ConvertError, match="is not set up"):
         Storage(root, CacheTrust(JOB_USER, frozenset({0}))).prepare()
     with pytest.raises(ConvertError, match="only root may set up"):
-        Storage(root, CacheTrust(JOB_USER, frozenset({0}))).make_layout()
+        make_layout(Storage(root, CacheTrust(JOB_USER, frozenset({0}))))
     meta = root / ".imgpipe"
     meta.mkdir()
     os.chown(meta, ATTACKER, -1)  # the first job user made it
     with pytest.raises(ConvertError, match=f"made by uid {ATTACKER}, a job user"):
-        Storage(root).make_layout()
+        make_layout(Storage(root))
     with pytest.raises(ConvertError, match=f"belongs to uid {ATTACKER}, a job user"):
         Storage(root, CacheTrust(JOB_USER, frozenset({0}))).prepare()
     meta.rmdir()
-    done = Storage(root).make_layout()
-    assert done and Storage(root).make_layout() == []  # idempotent
+    done = make_layout(Storage(root))
+    assert done and make_layout(Storage(root)) == []  # idempotent
     Storage(root, CacheTrust(JOB_USER, frozenset({0}))).prepare()
-    assert Storage(root).audit() == []
+    assert audit(Storage(root)) == []
 
 
 def test_text_other_users_wrote_reaches_a_terminal_escaped() -> None:
