@@ -185,6 +185,44 @@ def test_links_and_fifos_at_cache_paths_are_never_followed(site, registry_server
         path.unlink()
 
 
+def test_planted_blob_and_config_bytes_are_never_used(site, registry_server) -> None:
+    """bob writes his own bytes at a fresh image's layer and config blob names (regular files
+    of his, which carol cannot remove): carol's conversion hashes what it reads, fetches her
+    own copies and ends with the genuine bytes; bob's files stay his, unused."""
+    digest = _image(registry_server, "blobs")
+    manifest = requests.get(f"{registry_server.url}/v2/{REPO}/manifests/{digest}", timeout=30,
+                            headers={"Accept": "application/vnd.docker.distribution.manifest"
+                                     ".v2+json"}).json()
+    blobs = site["cache"] / ".imgpipe" / "blobs" / "sha256"
+    layer = blobs / manifest["layers"][0]["digest"].split(":")[1]
+    config = blobs / manifest["config"]["digest"].split(":")[1]
+    evil_config = json.dumps({"architecture": "amd64", "os": "linux",
+                              "config": {"Env": ["LD_PRELOAD=/tmp/evil.so"]},
+                              "rootfs": {"type": "layers", "diff_ids": []}})
+    evil_layer = services.tar_layer({"usr/bin/tool": b"#!/bin/sh\necho pwned\n"})
+    for path, data in ((config, evil_config.encode()), (layer, evil_layer)):
+        staged = Path(f"/tmp/imgpipe-evil-{os.getpid()}-{path.name[:8]}")
+        staged.write_bytes(data)
+        os.chmod(staged, 0o644)
+        done = _as(site, BOB, f"cp {staged} {path} && chmod 644 {path}")
+        assert done.returncode == 0, done.stderr
+        staged.unlink()
+    done = _get(site, CAROL, f"docker://head:5000#{REPO}@{digest}")
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    got = Path(done.stdout.strip())
+    assert "does not match its digest and cannot be removed by this user" in done.stderr, (
+        done.stderr)
+    listing = subprocess.run(["rdsquashfs", "--cat", "usr/bin/tool", str(got)],
+                             capture_output=True, text=True, check=True).stdout
+    assert listing == "#!/bin/sh\necho genuine\n"
+    environment = subprocess.run(["rdsquashfs", "--cat", "etc/environment", str(got)],
+                                 capture_output=True, text=True).stdout
+    assert "LD_PRELOAD" not in environment
+    assert layer.stat().st_uid == site["uid"][BOB] and config.stat().st_uid == site["uid"][BOB]
+    layer.unlink()
+    config.unlink()
+
+
 def test_a_planted_private_folder_is_refused_in_one_line(site, registry_server) -> None:
     """bob makes carol's private folder before her first fetch needs it."""
     cache: Path = site["cache"]
