@@ -135,7 +135,7 @@ class Storage:
         and shared folders a job user owns."""
         try:
             if not self.root.exists():
-                self.root.mkdir(parents=True)
+                self.root.mkdir(parents=True, exist_ok=True)
             shared = self.shared
             check_layout_folder(self.root, self.trust, shared)
             for folder, mode in self.layout():
