@@ -26,6 +26,7 @@ PACKAGES=(
   charliecloud-runtime squashfuse fuse3   # ch-run: jobs in containers from squashfs files
   shellcheck curl ca-certificates util-linux
   sudo                               # the cache writer's one sudoers line (tests/e2e/test_tenants.py)
+  qemu-user-static binfmt-support    # arm64 (Grace) images built and run here under emulation
   chromium                           # headless: the report page's test
   python3 python3-venv python3-pip
   g++ python3-dev                    # torch.compile's CPU backend (the trainer's compile test)
@@ -66,6 +67,17 @@ make_venv() {
   fi
 }
 
+# arm64 programs run here through qemu-aarch64, registered with the fix-binary flag (F): it
+# then works inside containers and ch-run's namespaces too.
+enable_emulation() {
+  local entry=/proc/sys/fs/binfmt_misc/qemu-aarch64
+  if [ -e "$entry" ] && head -1 "$entry" | grep -q enabled; then return 0; fi
+  mountpoint -q /proc/sys/fs/binfmt_misc \
+    || mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc
+  log "enabling qemu-aarch64 (binfmt)"
+  update-binfmts --enable qemu-aarch64
+}
+
 engine_answers() { /usr/bin/docker version >/dev/null 2>&1; }
 
 start_engine() {
@@ -95,6 +107,7 @@ static_checks() {
 }
 
 install_packages
+enable_emulation
 make_venv
 
 case "$mode" in

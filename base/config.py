@@ -114,6 +114,10 @@ class BuildConfig(_Strict):
     registry_cache: bool = Field(default=True, description="reuse layers from the head-node "
                                  "registry's last push (BuildKit inline cache, or a buildx "
                                  "registry cache): a fresh runner does not rebuild them")
+    builders: dict[str, str] = Field(
+        default_factory=dict, description="platform -> DOCKER_HOST of a native engine that "
+        "builds it (ssh://grace-login or tcp://host:2376); a platform not named here and "
+        "not the build host's is built under emulation (qemu-user-static's binfmt)")
 
 
 class EnrootConfig(_Strict):

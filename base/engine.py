@@ -25,12 +25,13 @@ import json
 import os
 import re
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from imgpipe.base.errors import CommandError, ImgpipeError
+from imgpipe.base.platforms import Platform, host_platform
 from imgpipe.base.process import Completed, last_error_line, require, run, stream
 
 NO_ENGINE_HINT = "start one: dockerd --bridge=none --iptables=false & (or ./setup.sh)"
@@ -65,6 +66,12 @@ class BuildClient:
     @property
     def usable(self) -> bool:
         return self.build_path is not None and self.engine_version is not None
+
+    def with_host(self, docker_host: str) -> BuildClient:
+        if not self.usable:
+            raise EngineError(f"the builder {docker_host} does not answer or cannot build",
+                              hint="check build.builders in imgpipe.yaml")
+        return replace(self, docker_host=docker_host)
 
 
 def docker_clients() -> list[str]:
@@ -137,6 +144,7 @@ class BuildRequest:
     # Registry references whose layers may be reused (the last push); with buildx the first
     # is also where the cache is exported (a registry cache, mode=max).
     cache_from: list[str] = field(default_factory=list)
+    platform: str | None = None  # os/arch to build for; None: the engine's own
 
 
 def _secret_specs(secrets: dict[str, Path]) -> list[str]:
@@ -156,6 +164,8 @@ def _build_builtin(client: BuildClient, request: BuildRequest,
         iidfile = Path(work) / "iid"
         argv = [client.path, "build", "--progress=plain", "--network=host",
                 "--iidfile", str(iidfile), "--file", str(request.dockerfile)]
+        if request.platform:
+            argv += ["--platform", request.platform]
         for name, value in request.build_args.items():
             argv += ["--build-arg", f"{name}={value}"]
         for name, value in request.labels.items():
@@ -206,6 +216,7 @@ def _build_buildx(client: BuildClient, request: BuildRequest,
                 request.context, file=request.dockerfile, tags=request.tags,
                 build_args=request.build_args, labels=request.labels,
                 secrets=_secret_specs(request.secrets), load=True, network="host",
+                platforms=[request.platform] if request.platform else None,
                 progress="plain", stream_logs=True, cache=request.cache,
                 metadata_file=metadata,
                 cache_from=([{"type": "registry", "ref": ref} for ref in request.cache_from]
@@ -228,10 +239,58 @@ def _build_buildx(client: BuildClient, request: BuildRequest,
 
 
 def run_in_container(client: BuildClient, image: str, argv: list[str],
-                     on_line: Callable[[str], None], timeout: float, what: str) -> Completed:
-    """``docker run --rm --network=none image argv…`` (a self-test), its output line by line."""
-    return stream([client.path, "run", "--rm", "--network=none", image, *argv], on_line,
-                  timeout=timeout, env=client.env or None, what=what)
+                     on_line: Callable[[str], None], timeout: float, what: str,
+                     platform: str | None = None) -> Completed:
+    """``docker run --rm --network=none image argv…`` (a self-test), its output line by line;
+    ``platform``: run that platform's image (emulated where the host cannot run it)."""
+    options = ["--platform", platform] if platform else []
+    return stream([client.path, "run", "--rm", "--network=none", *options, image, *argv],
+                  on_line, timeout=timeout, env=client.env or None, what=what)
+
+
+BINFMT_DIR = Path("/proc/sys/fs/binfmt_misc")
+
+
+def emulator(platform: Platform) -> str | None:
+    """The binfmt entry that runs ``platform``'s programs here (``qemu-aarch64``), when one
+    is registered and enabled with the fix-binary flag (so it works inside containers)."""
+    name = f"qemu-{platform.machine}"
+    try:
+        text = (BINFMT_DIR / name).read_text()
+    except OSError:
+        return None
+    flags = next((line.split(":", 1)[1].strip() for line in text.splitlines()
+                  if line.startswith("flags:")), "")
+    return name if text.startswith("enabled") and "F" in flags else None
+
+
+def build_route(platform: Platform, builders: Mapping[str, str]) -> str:
+    """How ``platform`` is built here, in words: by the native engine build.builders names
+    for it, natively (the build host's own platform), or under emulation (binfmt).
+    ImgpipeError, with the fix, when none of the three can."""
+    remote = builders.get(str(platform))
+    if remote:
+        return f"native builder {remote}"
+    if platform == host_platform():
+        return "native"
+    found = emulator(platform)
+    if found is None:
+        raise ImgpipeError(f"this host ({host_platform()}) cannot build {platform}: no "
+                           f"emulator is registered and build.builders names no engine for it",
+                           hint="apt-get install qemu-user-static binfmt-support && "
+                           f"update-binfmts --enable qemu-{platform.machine}; or set "
+                           f"build.builders.{platform} to a native engine's DOCKER_HOST")
+    return f"emulated: binfmt {found}"
+
+
+def builder_for(client: BuildClient, platform: Platform, builders: Mapping[str, str]
+                ) -> tuple[BuildClient, str]:
+    """Who builds ``platform`` (``build_route``): the client to build with, and how."""
+    route = build_route(platform, builders)
+    remote = builders.get(str(platform))
+    if remote:
+        return probe_client(client.path, {"DOCKER_HOST": remote}).with_host(remote), route
+    return client, route
 
 
 class Engine:

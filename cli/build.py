@@ -9,10 +9,11 @@ from typing import Any
 import click
 
 from imgpipe.base.config import Settings
+from imgpipe.base.platforms import Platform, parse_platforms
 from imgpipe.base.progress import Progress, choose_mode
 from imgpipe.cli.clikit import CONTEXT, invocation, reporting, settings_of
 from imgpipe.cli.output import Result
-from imgpipe.commands.convert import convert_and_record
+from imgpipe.commands.convert import convert_each_platform
 from imgpipe.commands.images import (
     Pushed,
     build_images,
@@ -53,10 +54,19 @@ def plan_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--wheels", "wheels_dir", type=click.Path(file_okay=False, path_type=Path),
                      help="Offer this folder of .whl files to the build (air-gapped sites).",
                      default=None),
+        click.option("--platform", "platforms", metavar="OS/ARCH[,...]", default=None,
+                     help="Build one manifest per platform under one OCI index, e.g. "
+                     "linux/amd64,linux/arm64 (default: image.yaml's platforms, else this "
+                     "host's alone).  Platforms this host cannot run are built under "
+                     "emulation, or by build.builders' native engine."),
     ]
     for option in reversed(options):
         fn = option(fn)
     return fn
+
+
+def _platforms(text: str | None) -> tuple[Platform, ...]:
+    return parse_platforms(text) if text else ()
 
 
 def _plan_lines(items: list[PlanItem], without: list[tuple[Image, str]]) -> list[str]:
@@ -69,7 +79,8 @@ def _plan_lines(items: list[PlanItem], without: list[tuple[Image, str]]) -> list
 @plan_options
 @reporting
 def plan(ctx: click.Context, images: tuple[str, ...], flavor: str | None,
-         build_args: tuple[str, ...], base: str | None, wheels_dir: Path | None) -> Result:
+         build_args: tuple[str, ...], base: str | None, wheels_dir: Path | None,
+         platforms: str | None) -> Result:
     """Say which images need a build and why, without building anything.
 
     An image is up to date when the hash of everything that shapes it
@@ -83,7 +94,7 @@ def plan(ctx: click.Context, images: tuple[str, ...], flavor: str | None,
       imgpipe plan bert --flavor ngc --json
     """
     made = plan_images(settings_of(ctx), images, flavor, _pairs(build_args, "--build-arg"),
-                       base, wheels_dir)
+                       base, wheels_dir, platforms=_platforms(platforms))
     data = [{"image": i.image.name, "flavor": i.flavor, "action": i.action, "reason": i.reason,
              "input_hash": i.input_hash, "inputs": i.inputs} for i in made.items]
     return Result({"images": data}, _plan_lines(made.items, made.without))
@@ -99,7 +110,8 @@ def plan(ctx: click.Context, images: tuple[str, ...], flavor: str | None,
 @reporting
 def build(ctx: click.Context, images: tuple[str, ...], flavor: str | None,
           build_args: tuple[str, ...], base: str | None, wheels_dir: Path | None,
-          force: bool, no_cache: bool, secrets: tuple[str, ...]) -> Result:
+          platforms: str | None, force: bool, no_cache: bool, secrets: tuple[str, ...]
+          ) -> Result:
     """Build the images whose inputs changed (all when none are named) with BuildKit.
 
     Tags each with its version, the git revision (-dirty when the tree is) and
@@ -109,11 +121,12 @@ def build(ctx: click.Context, images: tuple[str, ...], flavor: str | None,
     \b
     Examples:
       imgpipe build bert && imgpipe push
+      imgpipe build bert --platform linux/amd64,linux/arm64
       imgpipe build bert --flavor cpu --base imgpipe/debian-python:bookworm --wheels /opt/wheels
     """
     settings = settings_of(ctx)
     made = plan_images(settings, images, flavor, _pairs(build_args, "--build-arg"), base,
-                       wheels_dir, force)
+                       wheels_dir, force, _platforms(platforms))
     secret_paths = {k: Path(v) for k, v in _pairs(secrets, "--secret").items()}
     built = build_images(settings, made, secret_paths,
                          Progress(choose_mode(invocation(ctx).json)), cache=not no_cache)
@@ -174,9 +187,9 @@ def push(ctx: click.Context, images: tuple[str, ...], then_convert: bool,
         if not keys:  # nothing new: the squashfs of what the lock pins, where it is missing
             keys = unconverted(settings, images)
         for name, flavor in keys:
-            converted = convert_and_record(settings, name, flavor, None, False, progress)
-            squashfs[f"{name}/{flavor}"] = str(converted.path)
-            lines.append(f"{name}/{flavor}: {converted.path}")
+            for converted in convert_each_platform(settings, name, flavor, progress):
+                squashfs[f"{name}/{flavor}"] = str(converted.path)
+                lines.append(f"{name}/{flavor}: {converted.path}")
     if with_squashfs:
         published, more = _publish_all(settings, images, flavor, done, progress)
         lines += more

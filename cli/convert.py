@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from imgpipe.base.platforms import Platform
 from imgpipe.base.progress import Progress, choose_mode
 from imgpipe.base.units import human_bytes
 from imgpipe.cli.clikit import CONTEXT, invocation, parsed_by, reporting, settings_of
@@ -48,9 +49,14 @@ def _lines(conversion: Conversion) -> list[str]:
 @click.option("--no-prebuilt", is_flag=True,
               help="Convert even when a pinned squashfs is published beside the image "
               "(as enroot.prebuilt: false does for every command).")
+@click.option("--platform", "platform", default=None, metavar="OS/ARCH",
+              help="Which platform's manifest of an index (linux/arm64 on an x86 head node: "
+              "nothing of the target runs).  Default: this node's (IMGPIPE_PLATFORM, else "
+              "uname -m).")
 @reporting
 def convert_command(ctx: click.Context, target: str, flavor: str | None,
-                    compression: str | None, with_enroot: bool, no_prebuilt: bool) -> Result:
+                    compression: str | None, with_enroot: bool, no_prebuilt: bool,
+                    platform: str | None) -> Result:
     """Convert an image into a squashfs file in outputs.squashfs_dir, once per digest.
 
     IMAGE is a catalog name (its digest is taken from imgpipe.lock, and the lock
@@ -66,12 +72,14 @@ def convert_command(ctx: click.Context, target: str, flavor: str | None,
     \b
     Examples:
       imgpipe convert bert
+      imgpipe convert bert --platform linux/arm64
       imgpipe convert 127.0.0.1:5000/imgpipe/bert:latest-cpu --compression lz4
     """
     settings = settings_of(ctx)
     progress = Progress(choose_mode(invocation(ctx).json))
     conversion = convert_and_record(settings, target, flavor or settings.default_flavor,
-                                    compression, with_enroot, progress, no_prebuilt)
+                                    compression, with_enroot, progress, no_prebuilt,
+                                    Platform.parse(platform) if platform else None)
     return Result({"reference": conversion.reference, "digest": conversion.digest,
                    "squashfs": conversion.path, "converted": conversion.converted,
                    "seconds": round(conversion.seconds, 3), "size": conversion.size,

@@ -151,14 +151,19 @@ def doctor(ctx: click.Context) -> Result:
 
 
 @cli.command(name="base-image", context_settings=CONTEXT)
-@click.option("--tag", default="imgpipe/debian-python:bookworm", show_default=True,
-              help="Name of the image to create in the engine.")
+@click.option("--tag", default=None,
+              help="Name of the image to create in the engine [default: "
+              "imgpipe/debian-python:bookworm, with -arm64 etc. for another platform].")
+@click.option("--platform", "platform", default=None, metavar="OS/ARCH",
+              help="Make it for this platform (linux/arm64: debootstrap --arch arm64, its "
+              "second stage under emulation; minutes).  Default: this host's.")
 @click.option("--suite", default="bookworm", show_default=True, help="Debian release.")
 @click.option("--mirror", default="http://deb.debian.org/debian", show_default=True,
               help="Debian mirror debootstrap fetches from.")
 @click.option("--rebuild", is_flag=True, help="Make it again even if the image exists.")
 @reporting
-def base_image(ctx: click.Context, tag: str, suite: str, mirror: str, rebuild: bool) -> Result:
+def base_image(ctx: click.Context, tag: str | None, platform: str | None, suite: str,
+               mirror: str, rebuild: bool) -> Result:
     """Make a Debian base image with Python by debootstrap (for hosts that cannot pull).
 
     Needs root and debootstrap; reuses the image when it already exists.
@@ -166,10 +171,15 @@ def base_image(ctx: click.Context, tag: str, suite: str, mirror: str, rebuild: b
     \b
     Example (then build the cpu flavor on it):
       imgpipe base-image --tag local/debian-python:bookworm
+      imgpipe base-image --platform linux/arm64   (the cpu flavor's platform_bases)
     """
-    from imgpipe.pipeline.baseimage import ensure_base_image
+    from imgpipe.base.platforms import Platform
+    from imgpipe.pipeline.baseimage import DEFAULT_TAG, ensure_base_image
 
-    made, created = ensure_base_image(tag, suite, mirror, rebuild=rebuild)
+    chosen = Platform.parse(platform) if platform else None
+    default = DEFAULT_TAG if chosen is None else f"{DEFAULT_TAG}-{chosen.tag_suffix}"
+    made, created = ensure_base_image(tag or default, suite, mirror, rebuild=rebuild,
+                                      platform=chosen)
     verb = "created" if created else "already present"
     return Result({"tag": made, "created": created}, [f"{made}: {verb}"])
 

@@ -8,6 +8,7 @@ from typing import cast
 
 import click
 
+from imgpipe.base.platforms import Platform
 from imgpipe.base.progress import Progress, choose_mode
 from imgpipe.cli.clikit import CONTEXT, invocation, reporting, settings_of
 from imgpipe.cli.output import Result
@@ -70,16 +71,22 @@ def table(ctx: click.Context, profile_name: str, max_nodes: int) -> Result:
 @click.option("--image", default=None, help="Pin this image instead of bert's from "
               "imgpipe.lock (a squashfs path or host:port/repo@sha256:…).")
 @click.option("--flavor", type=click.Choice(["ngc", "cpu"]), default=None)
+@click.option("--platform", "platform", default=None, metavar="OS/ARCH",
+              help="For a partition of one architecture: pin that platform's image alone.  "
+              "Default: every platform of bert's index, each node taking its own.")
 @click.option("--env", "env", multiple=True, metavar="NAME=VALUE",
               help="Extra environment for every job (repeatable).")
 @reporting
 def render(ctx: click.Context, profile_name: str, nodes: int, phase: str, output: Path | None,
            runtime: str, adjust_global_batch: bool, image: str | None, flavor: str | None,
-           env: tuple[str, ...]) -> Result:
+           platform: str | None, env: tuple[str, ...]) -> Result:
     """Render run.sub, dataset.sub, nccl.sub and config_<N>x<G>x<B>x<A>.sh for a shape.
 
     The image is pinned to the digest imgpipe.lock recorded (its squashfs file
-    when one was converted), never to a tag.
+    when one was converted), never to a tag.  An image built for several
+    platforms is pinned per platform: run.sub picks the node's (IMGPIPE_PLATFORM,
+    else uname -m), so one bundle serves x86 and Grace partitions.
+    SELFTEST=only sbatch -N4 run.sub runs the image's self-test on each node.
 
     \b
     Example:
@@ -96,7 +103,8 @@ def render(ctx: click.Context, profile_name: str, nodes: int, phase: str, output
     folder, bundle = render_recipes(settings, site_profile(settings, profile_name), nodes,
                                     cast(Runtime, runtime),  # a click.Choice of RUNTIMES
                                     phases, output, image, flavor, extra, adjust_global_batch,
-                                    Progress(choose_mode(invocation(ctx).json)))
+                                    Progress(choose_mode(invocation(ctx).json)),
+                                    Platform.parse(platform) if platform else None)
     lines = [f"rendered {len(bundle.files)} files in {folder} (image {bundle.image})"]
     lines += [f"  {p.name}" for p in bundle.files]
     for shape in bundle.shapes:

@@ -21,6 +21,7 @@ import click
 
 from imgpipe.base import process
 from imgpipe.base.files import atomic_write
+from imgpipe.base.platforms import Platform
 from imgpipe.cli.clikit import CONTEXT, reporting, settings_of
 from imgpipe.cli.output import Result
 from imgpipe.recipes.sandbox import Sandbox, SandboxError, SandboxSpec
@@ -31,12 +32,13 @@ SHARED_FILE = "shared.json"  # a same-named sandbox of another checkout that `up
 
 
 def _sandbox(ctx: click.Context, nodes: int = 2, subnet: str = DEFAULT_SUBNET,
-             cpus: int | None = None, name: str = DEFAULT_NAME) -> Sandbox:
+             cpus: int | None = None, name: str = DEFAULT_NAME, platforms: str = ""
+             ) -> Sandbox:
     settings = settings_of(ctx)
     root = settings.path(settings.outputs.state_dir) / "sandbox"
     root.mkdir(parents=True, exist_ok=True)
     return Sandbox(SandboxSpec(root=root, name=name, subnet=subnet, compute_nodes=nodes,
-                               cpus=cpus or max(2, os.cpu_count() or 2)))
+                               cpus=cpus or max(2, os.cpu_count() or 2), platforms=platforms))
 
 
 def _own(ctx: click.Context) -> Sandbox:
@@ -124,15 +126,30 @@ def sandbox() -> None:
               help="CPUs each node offers to Slurm [default: this machine's, at least 2].")
 @click.option("--name", default=DEFAULT_NAME, show_default=True,
               help="Prefix of its namespaces and links (1-6 letters or digits).")
+@click.option("--node-platform", "node_platforms", multiple=True, metavar="NODE=OS/ARCH",
+              help="A compute host that stands for another platform, e.g. node2=linux/arm64: "
+              "its Slurm node carries the feature (arm64), its jobs get IMGPIPE_PLATFORM and "
+              "run that platform's images under emulation (needs qemu-user-static).")
 @reporting
 def up_command(ctx: click.Context, nodes: int, subnet: str, cpus: int | None,
-               name: str) -> Result:
+               name: str, node_platforms: tuple[str, ...]) -> Result:
     """Start the cluster and wait until every node is idle (kept if already up).
+
+    \b
+    A mixed cluster (x86 beside Grace), node2 an arm64 host:
+      imgpipe sandbox up --node-platform node2=linux/arm64
+      imgpipe sandbox run -- sbatch --constraint=arm64 run.sub
 
     A sandbox of the same name that another checkout started on this machine is used as
     it is (same --nodes and --subnet), and left running by `sandbox down` here.
     """
-    cluster = _sandbox(ctx, nodes, subnet, cpus, name)
+    for pair in node_platforms:
+        node, _, platform = pair.partition("=")
+        if not node.startswith("node") or not platform:
+            raise click.BadParameter(f"{pair!r} is not NODE=OS/ARCH (node2=linux/arm64)",
+                                     param_hint="--node-platform")
+        Platform.parse(platform)
+    cluster = _sandbox(ctx, nodes, subnet, cpus, name, ",".join(node_platforms))
     other = _use_other(ctx, cluster)
     if other is not None:
         state = {**other.status(), "started_here": False, "owner": str(other.root)}

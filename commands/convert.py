@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from imgpipe.base.config import Settings
 from imgpipe.base.files import file_sha256
+from imgpipe.base.platforms import Platform, node_platform
 from imgpipe.base.progress import Progress
 from imgpipe.base.units import parse_size
 from imgpipe.commands.pushed import require_pushed
@@ -13,13 +14,13 @@ from imgpipe.enroot.convert import Conversion, convert
 from imgpipe.enroot.prebuilt import Prebuilt
 from imgpipe.enroot.usage import prune
 from imgpipe.pipeline.catalog import load_catalog
-from imgpipe.pipeline.lock import lock_path, updating_lock
+from imgpipe.pipeline.lock import LockEntry, PlatformPin, lock_path, updating_lock
 from imgpipe.registry.reference import Reference
 
 
 def convert_and_record(settings: Settings, target: str, flavor: str, compression: str | None,
-                       with_enroot: bool, progress: Progress, no_prebuilt: bool = False
-                       ) -> Conversion:
+                       with_enroot: bool, progress: Progress, no_prebuilt: bool = False,
+                       platform: Platform | None = None) -> Conversion:
     """Convert an image of the catalog (its pushed digest: imgpipe.lock, else the registry)
     or any reference; a published squashfs that imgpipe.lock (or IMGPIPE_SQUASHFS_PINS)
     pins is fetched instead, unless ``no_prebuilt`` or enroot.prebuilt is false."""
@@ -31,9 +32,12 @@ def convert_and_record(settings: Settings, target: str, flavor: str, compression
     pins: frozenset[str] = frozenset()
     if image is not None:
         entry = require_pushed(settings, image.name, flavor, "to convert", progress)
-        ref = entry.reference
+        holder: LockEntry | PlatformPin = entry
+        if entry.platforms:
+            holder = entry.platform_pin(platform or node_platform())
+        ref = entry.reference.with_digest(holder.digest)
         options = squash_options(settings, image.spec.squashfs_compression, compression)
-        pin = entry.squashfs_digests.get(options.compression)
+        pin = holder.squashfs_digests.get(options.compression)
         pins = frozenset([pin] if pin else [])
     else:
         ref = Reference.parse(target, default_registry=settings.registry.address)
@@ -43,7 +47,7 @@ def convert_and_record(settings: Settings, target: str, flavor: str, compression
     conversion = convert(registry_client(settings), storage(settings), ref, options,
                          say=progress.step, with_enroot=with_enroot,
                          connections=settings.enroot.max_connections, count=progress.transfer,
-                         prebuilt=prebuilt)
+                         prebuilt=prebuilt, platform=platform)
     progress.done()
     if conversion.converted and settings.enroot.cache_max_size:
         pruned = prune(storage(settings), max_size=parse_size(settings.enroot.cache_max_size))
@@ -54,7 +58,19 @@ def convert_and_record(settings: Settings, target: str, flavor: str, compression
         checksum = "sha256:" + file_sha256(conversion.path)
         with updating_lock(lock_file) as lock:
             current = lock.entry(image.name, flavor)
-            if current is not None and current.digest == conversion.digest:
-                current.squashfs = str(conversion.path)
-                current.squashfs_sha256 = checksum
+            found = current.holder(conversion.digest) if current is not None else None
+            if found is not None:
+                found.squashfs = str(conversion.path)
+                found.squashfs_sha256 = checksum
     return conversion
+
+
+def convert_each_platform(settings: Settings, name: str, flavor: str, progress: Progress
+                          ) -> list[Conversion]:
+    """The squashfs of every platform an image of the catalog was built for (one for a
+    one-manifest build): a head node converts for all its partitions, running nothing of
+    the targets."""
+    entry = require_pushed(settings, name, flavor, "to convert", progress)
+    platforms: list[Platform | None] = [Platform.parse(p) for p in entry.platforms]
+    return [convert_and_record(settings, name, flavor, None, False, progress,
+                               platform=platform) for platform in platforms or [None]]

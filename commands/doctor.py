@@ -8,10 +8,12 @@ from pathlib import Path
 from typing import Literal
 
 from imgpipe.base.config import Settings
-from imgpipe.base.engine import docker_clients, probe_client
+from imgpipe.base.engine import build_route, docker_clients, probe_client
 from imgpipe.base.errors import ImgpipeError
+from imgpipe.base.platforms import Platform, host_platform
 from imgpipe.base.process import which
 from imgpipe.base.units import human_bytes
+from imgpipe.pipeline.catalog import load_catalog
 
 Verdict = Literal["ok", "warn", "missing"]
 MIN_FREE_BYTES = 20 * 1024**3
@@ -181,8 +183,31 @@ def check_cache(settings: Settings) -> Check:
                  f"{cache.trust.admin_names() if cache.shared else 'you'})", required=False)
 
 
+def check_platforms(settings: Settings) -> list[Check]:
+    """How each platform the catalog builds for (and build.builders names) is built here:
+    natively, by a remote native engine, or under emulation; a platform none can build is
+    a warning naming the fix."""
+    wanted = {host_platform()} | {Platform.parse(p) for p in settings.build.builders}
+    folder = settings.path(settings.images_dir)
+    if folder.is_dir():
+        try:
+            wanted |= {p for image in load_catalog(settings).values() for p in image.platforms}
+        except ImgpipeError:
+            pass  # a broken catalog is the build's error to report
+    checks = []
+    for platform in sorted(wanted, key=str):
+        try:
+            checks.append(Check(f"build {platform}", "ok", build_route(
+                platform, settings.build.builders), required=False))
+        except ImgpipeError as exc:
+            checks.append(Check(f"build {platform}", "warn", exc.message, exc.hint,
+                                required=False))
+    return checks
+
+
 def run_checks(settings: Settings) -> list[Check]:
     checks = check_docker(settings)
+    checks.extend(check_platforms(settings))
     checks.append(check_registry(settings))
     checks.append(check_tool("squashfs tools", ["mksquashfs", "unsquashfs"],
                              "apt-get install squashfs-tools"))

@@ -13,6 +13,7 @@ from imgpipe.base import engine
 from imgpipe.base.config import Settings
 from imgpipe.base.engine import Engine, EngineError, find_build_client
 from imgpipe.base.errors import ConfigError, ImgpipeError
+from imgpipe.base.platforms import Platform
 from imgpipe.base.progress import Progress
 from imgpipe.commands.pushed import find_pushed
 from imgpipe.commands.wiring import registry_client, registry_for
@@ -68,7 +69,7 @@ class Merged:
 
 def plan_images(settings: Settings, images: tuple[str, ...], flavor: str | None,
                 build_args: dict[str, str], base: str | None, wheels_dir: Path | None,
-                force: bool = False) -> ImagePlan:
+                force: bool = False, platforms: tuple[Platform, ...] = ()) -> ImagePlan:
     """Which images of the catalog need a build in ``flavor`` (default: the site's), and why."""
     flavor = flavor or settings.default_flavor
     chosen = select(load_catalog(settings), images)
@@ -85,7 +86,8 @@ def plan_images(settings: Settings, images: tuple[str, ...], flavor: str | None,
                             if settings.build.wheels_dir else recorded_wheels(lock, flavor))
     items = make_plan(settings, buildable, flavor, lock, overrides=build_args,
                       base_override=base, wheels_dir=wheels,
-                      resolver=BaseResolver(settings, registry_for(settings)), force=force)
+                      resolver=BaseResolver(settings, registry_for(settings)), force=force,
+                      platforms=platforms)
     return ImagePlan(_still_pushed(settings, items, lock), without, flavor, wheels)
 
 
@@ -237,8 +239,8 @@ def push_images(settings: Settings, images: tuple[str, ...], progress: Progress,
     registry = registry_client(settings)
     registry.ping()
     client = find_build_client(settings.docker.client, settings.docker.host)
-    return Pushed([push_record(client, registry, record, lock_path(settings.root), progress)
-                   for record in pending], adopted)
+    return Pushed([push_record(client, registry, record, lock_path(settings.root), progress,
+                               settings.build.builders) for record in pending], adopted)
 
 
 def unconverted(settings: Settings, images: tuple[str, ...]) -> list[tuple[str, str]]:
@@ -247,7 +249,9 @@ def unconverted(settings: Settings, images: tuple[str, ...]) -> list[tuple[str, 
     lock = read_lock(lock_path(settings.root))
     return [(name, flavor) for name, flavors in sorted(lock.images.items())
             if not images or name in images
-            for flavor, entry in sorted(flavors.items()) if entry.squashfs_file() is None]
+            for flavor, entry in sorted(flavors.items())
+            if entry.squashfs_file() is None and not entry.platforms
+            or any(pin.squashfs_file() is None for pin in entry.platforms.values())]
 
 
 def adopt_pushed(settings: Settings, names: tuple[str, ...], flavor: str | None,
@@ -280,43 +284,58 @@ def adopt_pushed(settings: Settings, names: tuple[str, ...], flavor: str | None,
 def run_selftest(settings: Settings, image: Image, flavor: str, progress: Progress) -> str:
     """The image's self-test in a container (no network), its last line: of this
     checkout's last build when the engine still has it, else of the pushed manifest
-    (``find_pushed``: the lock, or the registry), pulled into the engine when missing."""
+    (``find_pushed``: the lock, or the registry), pulled into the engine when missing.
+    An index build is self-tested on every platform, each in a container of its own
+    platform (emulated where this host cannot run it)."""
     if not image.spec.selftest:
         return "no self-test defined"
-    target = _selftest_image(settings, image, flavor, progress)
     client = find_build_client(settings.docker.client, settings.docker.host)
-    progress.step(f"self-test {image.name}/{flavor}: {' '.join(image.spec.selftest)}")
-    try:
-        done = engine.run_in_container(client, target, list(image.spec.selftest),
-                                       progress.detail, settings.build.selftest_timeout_s,
-                                       f"self-test of {image.name}/{flavor}")
-    finally:
-        progress.done()
-    return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else "passed"
+    lines = []
+    for target, platform in _selftest_images(settings, image, flavor, progress):
+        what = f"{image.name}/{flavor}" + (f" {platform}" if platform else "")
+        progress.step(f"self-test {what}: {' '.join(image.spec.selftest)}")
+        try:
+            done = engine.run_in_container(client, target, list(image.spec.selftest),
+                                           progress.detail, settings.build.selftest_timeout_s,
+                                           f"self-test of {what}", platform)
+        finally:
+            progress.done()
+        last = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else "passed"
+        lines.append(f"{platform}: {last}" if platform else last)
+    return "; ".join(lines)
 
 
-def _selftest_image(settings: Settings, image: Image, flavor: str, progress: Progress) -> str:
-    """What the self-test runs: the local build's image ID, or the pushed digest."""
+def _selftest_images(settings: Settings, image: Image, flavor: str, progress: Progress
+                     ) -> list[tuple[str, str | None]]:
+    """What the self-test runs, per platform (None: the one manifest of a one-platform
+    build): the local build's image IDs, or the pushed digests, pulled when missing."""
     docker_engine = Engine(settings.docker.host, timeout=600)
     record = read_records(settings).get(f"{image.name}/{flavor}")
     try:
-        if record is not None and docker_engine.image_id(record.image_id) is not None:
-            return record.image_id
+        if record is not None and record.platforms:
+            if all(docker_engine.image_id(i) is not None for i in record.platforms.values()):
+                return [(image_id, name) for name, image_id in record.platforms.items()]
+        elif record is not None and docker_engine.image_id(record.image_id) is not None:
+            return [(record.image_id, None)]
     except EngineError as exc:
         raise ImgpipeError(exc.message, hint="start the Docker engine (dockerd)") from exc
     lookup = find_pushed(settings, image, flavor, progress=progress)
     if lookup.entry is None:
         raise ImgpipeError(f"{image.name}/{flavor} has not been built here, and {lookup.why}",
                            hint=f"imgpipe build {image.name} --flavor {flavor}")
-    pinned = lookup.entry.pinned
-    if docker_engine.image_id(pinned) is None:
-        progress.step(f"pull {pinned}")
-        try:
-            docker_engine.pull(pinned)
-        except EngineError as exc:
-            raise ImgpipeError(exc.message, hint="docker login to the registry, or check that "
-                               "the engine may pull from it") from exc
-    return pinned
+    entry = lookup.entry
+    wanted: list[tuple[str, str | None]] = [(f"{entry.repository}@{pin.digest}", name)
+                                            for name, pin in entry.platforms.items()]
+    wanted = wanted or [(entry.pinned, None)]
+    for pinned, _ in wanted:
+        if docker_engine.image_id(pinned) is None:
+            progress.step(f"pull {pinned}")
+            try:
+                docker_engine.pull(pinned)
+            except EngineError as exc:
+                raise ImgpipeError(exc.message, hint="docker login to the registry, or check "
+                                   "that the engine may pull from it") from exc
+    return wanted
 
 
 def mirror_image(settings: Settings, source: str, dest: str | None, progress: Progress
@@ -365,5 +384,5 @@ def ci_merge(settings: Settings, flavor: str | None, wheels_dir: Path | None,
         run_selftest(settings, item.image, plan.flavor, progress)
     records = read_records(settings)
     pushed = [push_record(client, registry, records[item.key], lock_path(settings.root),
-                          progress) for item in todo]
+                          progress, settings.build.builders) for item in todo]
     return Merged(built, pushed)

@@ -14,12 +14,14 @@ from dataclasses import dataclass
 
 from imgpipe.base.config import Settings
 from imgpipe.base.files import file_sha256, owner_tag
+from imgpipe.base.platforms import Platform
 from imgpipe.base.progress import Progress
 from imgpipe.commands.pushed import catalog_image, require_pushed
 from imgpipe.commands.wiring import registry_client, squash_options, storage
-from imgpipe.enroot.convert import convert, convert_privately, resolve_digest
+from imgpipe.enroot.convert import Conversion, convert, convert_privately, resolve_digest
 from imgpipe.enroot.errors import VerifyError
 from imgpipe.enroot.published import PublishedSquashfs, described, find_published, publish
+from imgpipe.enroot.storage import Storage
 from imgpipe.pipeline.lock import lock_path, updating_lock
 from imgpipe.registry.reference import Reference
 
@@ -34,10 +36,13 @@ class Published:
 
 def _record_pin(settings: Settings, name: str, flavor: str, image_digest: str,
                 compression: str, squashfs_digest: str) -> None:
+    """Pin ``squashfs_digest`` for the manifest ``image_digest`` (a one-manifest build's,
+    or one platform's of an index build)."""
     with updating_lock(lock_path(settings.root)) as lock:
         entry = lock.entry(name, flavor)
-        if entry is not None and entry.digest == image_digest:
-            entry.squashfs_digests[compression] = squashfs_digest
+        holder = entry.holder(image_digest) if entry is not None else None
+        if holder is not None:
+            holder.squashfs_digests[compression] = squashfs_digest
 
 
 def publish_squashfs(settings: Settings, name: str, flavor: str, progress: Progress
@@ -46,27 +51,42 @@ def publish_squashfs(settings: Settings, name: str, flavor: str, progress: Progr
     the site asks for (enroot.publish_compressions), pinning each in imgpipe.lock."""
     entry = require_pushed(settings, name, flavor, "to publish its squashfs", progress)
     client, cache = registry_client(settings), storage(settings)
-    ref = entry.reference
+    # each platform's squashfs is published with that platform's manifest as its subject
+    manifests: list[tuple[Platform | None, str]] = [
+        (Platform.parse(p), pin.digest) for p, pin in entry.platforms.items()]
+    manifests = manifests or [(None, entry.digest)]
     done = []
-    for compression in settings.enroot.publish_compressions:
-        conversion = convert(client, cache, ref, squash_options(settings, None, compression),
-                             say=progress.step, connections=settings.enroot.max_connections,
-                             count=progress.transfer)
-        progress.done()
-        blob = "sha256:" + file_sha256(conversion.path)
-        if conversion.prebuilt is not None and conversion.prebuilt != blob:
-            raise VerifyError(f"the cached squashfs of {ref} is not the one fetched")
-        manifest = client.manifest(ref.repository, entry.digest)
-        progress.step(f"publish squashfs {blob[:19]} ({compression}) beside "
-                      f"{ref.repository}@{entry.digest[:19]}")
-        published, pushed = publish(
-            client, ref.repository, manifest, conversion.path, blob, compression,
-            len(described(conversion.path)),
-            progress.transfer(f"push squashfs {ref.repository}", conversion.size))
-        progress.done()
-        _record_pin(settings, name, flavor, entry.digest, compression, blob)
-        done.append(Published(name, flavor, published, pushed))
+    for platform, digest in manifests:
+        ref = entry.reference.with_digest(digest)
+        for compression in settings.enroot.publish_compressions:
+            blob, conversion = _convert_for_publish(settings, cache, ref, compression,
+                                                    platform, progress)
+            manifest = client.manifest_exactly(ref.repository, digest)
+            progress.step(f"publish squashfs {blob[:19]} ({compression}) beside "
+                          f"{ref.repository}@{digest[:19]}"
+                          + (f" ({platform})" if platform else ""))
+            published, pushed = publish(
+                client, ref.repository, manifest, conversion.path, blob, compression,
+                len(described(conversion.path)),
+                progress.transfer(f"push squashfs {ref.repository}", conversion.size))
+            progress.done()
+            _record_pin(settings, name, flavor, digest, compression, blob)
+            done.append(Published(name, flavor, published, pushed))
     return done
+
+
+def _convert_for_publish(settings: Settings, cache: Storage, ref: Reference, compression: str,
+                         platform: Platform | None, progress: Progress
+                         ) -> tuple[str, Conversion]:
+    conversion = convert(registry_client(settings), cache, ref,
+                         squash_options(settings, None, compression), say=progress.step,
+                         connections=settings.enroot.max_connections, count=progress.transfer,
+                         platform=platform)
+    progress.done()
+    blob = "sha256:" + file_sha256(conversion.path)
+    if conversion.prebuilt is not None and conversion.prebuilt != blob:
+        raise VerifyError(f"the cached squashfs of {ref} is not the one fetched")
+    return blob, conversion
 
 
 @dataclass(frozen=True)
@@ -80,9 +100,10 @@ class Verified:
 
 
 def verify(settings: Settings, target: str, flavor: str, compression: str | None,
-           progress: Progress) -> Verified:
+           progress: Progress, platform: Platform | None = None) -> Verified:
     """Convert ``target`` here (never from a published file) and compare it byte for byte
-    with each squashfs published beside it in that compression."""
+    with each squashfs published beside it in that compression; an index is verified for
+    ``platform`` (default: this node's)."""
     image = catalog_image(settings, target) if "/" not in target and ":" not in target \
         else None
     if image is not None:
@@ -92,7 +113,7 @@ def verify(settings: Settings, target: str, flavor: str, compression: str | None
         ref = Reference.parse(target, default_registry=settings.registry.address)
         options = squash_options(settings, None, compression)
     client, cache = registry_client(settings), storage(settings)
-    digest = resolve_digest(client, ref)
+    digest = resolve_digest(client, ref, platform)
     name = f"{ref.repository}@{digest}"
     published = find_published(client, ref.repository, digest, options.compression)
     if not published:

@@ -8,13 +8,14 @@ from pathlib import Path
 from imgpipe.base.config import Settings
 from imgpipe.base.errors import ConfigError, ImgpipeError
 from imgpipe.base.files import SquashfsPath
+from imgpipe.base.platforms import Platform, host_platform
 from imgpipe.base.progress import Progress
 from imgpipe.commands.pushed import catalog_image, find_pushed, require_pushed
 from imgpipe.commands.wiring import registry_client, registry_credentials
 from imgpipe.enroot.nodeconfig import nodes_enroot, takes_digests
 from imgpipe.enroot.pins import PINS_ENV, pins_text
 from imgpipe.enroot.published import find_published
-from imgpipe.pipeline.lock import LockEntry, lock_path, read_lock
+from imgpipe.pipeline.lock import LockEntry, PlatformPin, lock_path, read_lock
 from imgpipe.recipes.profiles import Profile, load_profile
 from imgpipe.recipes.render import Bundle, RecipeInputs, render_bundle
 from imgpipe.recipes.runtimes import Runtime
@@ -48,6 +49,27 @@ def pin(settings: Settings, image: str, flavor: str, required: bool = True,
     return entry.squashfs_file() or entry.reference
 
 
+def platform_pins(settings: Settings, image: str, flavor: str, only: Platform | None = None
+                  ) -> dict[str, Reference | SquashfsPath]:
+    """An index build's pin per platform (its squashfs file when converted here, else the
+    platform's manifest digest), ``only`` one of them when given; empty for a one-manifest
+    build (``pin`` serves it)."""
+    known = catalog_image(settings, image)
+    entry = (find_pushed(settings, known, flavor).entry
+             if known is not None and flavor in known.spec.flavors else None)
+    if entry is None or not entry.platforms:
+        if only is not None and entry is not None and only != host_platform():
+            raise ConfigError(f"{image}/{flavor} was built for this host's platform alone, "
+                              f"not {only}", hint=f"build it with --platform {only}")
+        return {}
+    chosen = [only] if only is not None else [Platform.parse(p) for p in entry.platforms]
+    pins: dict[str, Reference | SquashfsPath] = {}
+    for platform in chosen:
+        held = entry.platform_pin(platform)
+        pins[str(platform)] = held.squashfs_file() or entry.reference.with_digest(held.digest)
+    return pins
+
+
 def squashfs_pins(settings: Settings, images: list[tuple[str, str]], chosen: str = ""
                   ) -> dict[str, str]:
     """{image digest: squashfs digest} of the published squashfs files imgpipe.lock pins for
@@ -59,8 +81,11 @@ def squashfs_pins(settings: Settings, images: list[tuple[str, str]], chosen: str
     for name, flavors in lock.images.items():
         for flavor, entry in flavors.items():
             wanted = (name, flavor) in images or (chosen and entry.digest in chosen)
-            if wanted and compression in entry.squashfs_digests:
-                pins[entry.digest] = entry.squashfs_digests[compression]
+            holders: list[LockEntry | PlatformPin] = [entry, *entry.platforms.values()]
+            for held in holders:  # the one manifest, or every platform's
+                if (wanted or (chosen and held.digest in chosen)) and (
+                        compression in held.squashfs_digests):
+                    pins[held.digest] = held.squashfs_digests[compression]
     return pins
 
 
@@ -103,16 +128,19 @@ def refuse_loopback(pinned: Reference | SquashfsPath | str, profile_name: str) -
 def render_recipes(settings: Settings, profile: Profile, nodes: int, runtime: Runtime,
                    phases: tuple[int, ...], output: Path | None, image: str | None,
                    flavor: str | None, env: dict[str, str],
-                   adjust_global_batch: bool, progress: Progress | None = None
-                   ) -> tuple[Path, Bundle]:
+                   adjust_global_batch: bool, progress: Progress | None = None,
+                   platform: Platform | None = None) -> tuple[Path, Bundle]:
     """Render the bundle for ``nodes`` of ``profile``; the folder and what was written."""
     if flavor is None and image is None and profile.is_gpu and settings.default_flavor == "cpu":
         raise ConfigError(f"{profile.name} is a GPU profile but the default flavor is cpu",
                           hint="pass --flavor ngc (or --flavor cpu to mean it), or set "
                           "default_flavor: ngc in imgpipe.yaml")
     flavor = flavor or settings.default_flavor
-    pinned = image or pin(settings, "bert", flavor, progress=progress) or ""  # never empty
-    refuse_loopback(pinned, profile.name)
+    per_platform = {} if image else platform_pins(settings, "bert", flavor, platform)
+    pinned = image or next(iter(per_platform.values()), None) or pin(
+        settings, "bert", flavor, progress=progress) or ""  # never empty
+    for each in [pinned, *per_platform.values()]:
+        refuse_loopback(each, profile.name)
     pins = squashfs_pins(settings, [("bert", flavor)]
                          + ([("nccl-tests", "ngc")] if profile.is_gpu else []), image or "")
     if pins:  # the importer on the nodes fetches these instead of converting
@@ -131,10 +159,16 @@ def render_recipes(settings: Settings, profile: Profile, nodes: int, runtime: Ru
         results_dir=site.results_dir, dataset_source=site.dataset_source,
         vocab=site.vocab, bert_config=site.bert_config, partition=site.partition,
         walltime_minutes=site.walltime_minutes, env=env,
-        adjust_global_batch=adjust_global_batch,
+        adjust_global_batch=adjust_global_batch, platform_images=dict(per_platform),
+        selftest=_selftest_of(settings, "bert"),
         enroot_takes_digests=takes_digests(enroot_version), enroot_seen=seen)
     folder = output or settings.path(settings.outputs.recipes_dir) / f"{profile.name}-{nodes}n"
     return folder, render_bundle(inputs, folder, phases)
+
+
+def _selftest_of(settings: Settings, name: str) -> tuple[str, ...]:
+    known = catalog_image(settings, name)
+    return tuple(known.spec.selftest) if known is not None else ()
 
 
 def bundle_target(settings: Settings, name: str | None, tag: str | None = None) -> Reference:

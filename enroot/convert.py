@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import IO, Any, cast
 
 from imgpipe.base.files import SquashfsPath, atomic_path, file_sha256
+from imgpipe.base.platforms import Platform, node_platform
 from imgpipe.enroot.errors import (
     BlobDigestError,
     ConvertError,
@@ -105,10 +106,14 @@ def require_served(ref: Reference, address: str) -> None:
                            "registry.host and registry.port in imgpipe.yaml at that one")
 
 
-def resolve_digest(client: RegistryClient, ref: Reference) -> str:
-    """The manifest digest ``ref`` names (index entries resolved to this platform)."""
+def resolve_digest(client: RegistryClient, ref: Reference, platform: Platform | None = None
+                   ) -> str:
+    """The manifest digest ``ref`` names: an index resolved to ``platform`` (default: the
+    node's, ``IMGPIPE_PLATFORM`` or the kernel's).  Nothing of the target platform runs:
+    any host converts for any platform."""
     try:
-        return client.manifest(ref.repository, ref.reference).digest
+        return client.manifest(ref.repository, ref.reference,
+                               platform or node_platform()).digest
     except RegistryError as exc:
         if exc.status == 404 and exc.registry_code != "NOT_A_REGISTRY":
             raise ConvertError(f"{ref} is not in the registry",
@@ -121,7 +126,8 @@ def convert(client: RegistryClient, storage: Storage, ref: Reference,
             options: SquashOptions | None = None,
             say: Callable[[str], None] = lambda _: None,
             with_enroot: bool = False, connections: int = MAX_CONNECTIONS,
-            count: Counter | None = None, prebuilt: Prebuilt | None = None) -> Conversion:
+            count: Counter | None = None, prebuilt: Prebuilt | None = None,
+            platform: Platform | None = None) -> Conversion:
     """Make sure the squashfs of ``ref`` exists and return where it is; layers are fetched
     over ``connections`` parallel requests (enroot.max_connections).  ``count`` makes a
     byte counter for the fetch and the squash (a progress display's).  ``prebuilt``: a
@@ -145,7 +151,7 @@ def convert(client: RegistryClient, storage: Storage, ref: Reference,
             return Conversion(str(ref), ref.digest, existing, False,
                               time.monotonic() - started, existing.stat().st_size,
                               options.compression)
-    digest = resolve_digest(client, ref)
+    digest = resolve_digest(client, ref, platform)
     policy = prebuilt.pinned_for(digest) if prebuilt else None
     target = _Target(ref, digest, storage.squashfs(ref.repository, digest, options.compression),
                      options, say, started, *([count] if count else []))
@@ -182,14 +188,14 @@ def _pins(policy: Prebuilt | None) -> frozenset[str]:
 def convert_privately(client: RegistryClient, storage: Storage, ref: Reference,
                       options: SquashOptions, dest: Path,
                       say: Callable[[str], None] = lambda _: None,
-                      connections: int = MAX_CONNECTIONS, count: Counter | None = None
-                      ) -> Conversion:
+                      connections: int = MAX_CONNECTIONS, count: Counter | None = None,
+                      platform: Platform | None = None) -> Conversion:
     """Convert ``ref`` into ``dest``, a file of the caller's outside the cache's names (what
     `imgpipe verify` compares a published squashfs with), whatever the cache holds; under the
     digest's lock, whose holder owns the digest's work areas."""
     require_served(ref, client.address)
     storage.prepare()
-    digest = resolve_digest(client, ref)
+    digest = resolve_digest(client, ref, platform)
     target = _Target(ref, digest, dest, options, say, time.monotonic(),
                      *([count] if count else []))
     with storage.lock(digest, on_wait=say):

@@ -13,15 +13,16 @@ import json
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
 from imgpipe.base.config import Settings
-from imgpipe.base.engine import BuildClient, Engine, EngineError
+from imgpipe.base.engine import BuildClient, BuildRequest, Engine, EngineError
 from imgpipe.base.errors import ConfigError, ImgpipeError
 from imgpipe.base.files import atomic_write
+from imgpipe.base.platforms import Platform, host_platform
 from imgpipe.base.progress import Progress
 from imgpipe.pipeline.catalog import Image
 from imgpipe.pipeline.context import stage_context, wheels_in
@@ -51,6 +52,14 @@ class BuildRecord(BaseModel):
     built_at: str
     build_args: dict[str, str] = {}
     wheels_dir: str | None = None  # the folder offered: plan and push find it again
+    # An index build: platform -> the image ID built for it, tagged locally by
+    # ``platform_tag``; ``image_id`` is then the first platform's
+    platforms: dict[str, str] = {}
+
+    def platform_tag(self, platform: str) -> str:
+        """``repository:<first tag>-<arch>``: where one platform's image waits for push
+        (the engine keeps one platform per tag)."""
+        return f"{self.repository}:{self.tags[0]}-{Platform.parse(platform).tag_suffix}"
 
     def reference(self, tag: str) -> Reference:
         """``repository:tag`` of this build, as the registry names it."""
@@ -153,9 +162,11 @@ class BaseResolver:
 
 def make_plan(settings: Settings, images: list[Image], flavor: str, lock: LockFile, *,
               overrides: dict[str, str], base_override: str | None, wheels_dir: Path | None,
-              resolver: BaseResolver, force: bool) -> list[PlanItem]:
+              resolver: BaseResolver, force: bool,
+              platforms: tuple[Platform, ...] = ()) -> list[PlanItem]:
     return [plan_image(image, flavor, lock, overrides=overrides, base_override=base_override,
-                       wheels_dir=wheels_dir, resolve_base=resolver, force=force)
+                       wheels_dir=wheels_dir, resolve_base=resolver, force=force,
+                       platforms=platforms)
             for image in images]
 
 
@@ -174,7 +185,7 @@ def build_item(settings: Settings, client: BuildClient, item: PlanItem,
                revision: Revision | None, progress: Progress, *, wheels_dir: Path | None,
                secret_overrides: dict[str, Path], cache: bool = True) -> BuildOutcome:
     """Build one planned image and record it for push."""
-    from imgpipe.base.engine import BuildRequest, run_build
+    from imgpipe.base.engine import run_build
 
     require_wheels(settings, item, wheels_dir, secret_overrides)
     if item.base_digest is None:
@@ -190,18 +201,24 @@ def build_item(settings: Settings, client: BuildClient, item: PlanItem,
     now = dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat()
     started = time.monotonic()
     progress.step(f"build {item.key}: {item.reason}")
+    labels = labels_for(item, revision, now)
+    built: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix=f"imgpipe-context-{item.image.name}-") as staged:
         context = stage_context(item.image.folder, item.files, wheels_dir, Path(staged))
         with secret_files(settings, list(item.image.spec.secrets), secret_overrides) as secrets:
             request = BuildRequest(
                 context=context, dockerfile=context / item.image.spec.dockerfile,
                 tags=[f"{repository}:{name}" for name in names], build_args=item.build_args,
-                labels=labels_for(item, revision, now), secrets=secrets,
+                labels=labels, secrets=secrets,
                 timeout_s=settings.build.timeout_s, cache=cache,
                 cache_from=cache_refs(settings, client, repository, item),
             )
+            for platform in item.platforms:
+                built[str(platform)] = _build_platform(settings, client, item, request,
+                                                       platform, progress)
             try:
-                image_id = run_build(client, request, progress.detail)
+                image_id = (next(iter(built.values())) if built
+                            else run_build(client, request, progress.detail))
             finally:
                 progress.done()
     seconds = time.monotonic() - started
@@ -209,10 +226,31 @@ def build_item(settings: Settings, client: BuildClient, item: PlanItem,
         image=item.image.name, flavor=item.flavor, image_id=image_id, repository=repository,
         tags=names, input_hash=item.input_hash, inputs=item.inputs,
         base=item.build_args["BASE_IMAGE"], base_digest=item.base_digest, built_at=now,
-        build_args=item.build_args, wheels_dir=str(wheels_dir) if wheels_dir else None))
+        build_args=item.build_args, wheels_dir=str(wheels_dir) if wheels_dir else None,
+        platforms=built))
     progress.step(f"built {item.key} in {seconds:.1f} s: {image_id[:19]}")
     return BuildOutcome(item.image.name, item.flavor, "built", item.reason, image_id,
                         tuple(names), seconds)
+
+
+def _build_platform(settings: Settings, client: BuildClient, item: PlanItem,
+                    request: BuildRequest, platform: Platform, progress: Progress) -> str:
+    """One platform of an index build, tagged ``<first tag>-<arch>`` in the engine: where
+    the build host cannot run it, through emulation (binfmt) or the remote builder that
+    build.builders names for it."""
+    from imgpipe.base.engine import builder_for, run_build
+
+    target, how = builder_for(client, platform, settings.build.builders)
+    progress.step(f"build {item.key} for {platform} ({how})")
+    first = request.tags[0].rsplit(":", 1)[0]
+    tag = f"{first}:{request.tags[0].rsplit(':', 1)[1]}-{platform.tag_suffix}"
+    args = {**item.build_args, "BASE_IMAGE": item.base_for(platform)}
+    try:
+        return run_build(target, replace(request, tags=[tag], build_args=args,
+                                         platform=str(platform), cache_from=[]),
+                         progress.detail)
+    finally:
+        progress.done()
 
 
 def cache_refs(settings: Settings, client: BuildClient, repository: str, item: PlanItem
@@ -230,18 +268,30 @@ def cache_refs(settings: Settings, client: BuildClient, repository: str, item: P
 
 def require_wheels(settings: Settings, item: PlanItem, wheels_dir: Path | None,
                    secret_overrides: dict[str, Path]) -> None:
-    """A flavor's required wheels are offered, or a pip config names an index that may
-    serve them: never a silent fall-back to PyPI (whose torch is the 5 GB CUDA build)."""
+    """A flavor's required wheels are offered, for every platform the build makes, or a pip
+    config names an index that may serve them: never a silent fall-back to PyPI (whose
+    torch is the 5 GB CUDA build, on aarch64 too)."""
     patterns = item.image.flavor(item.flavor).required_wheels
     if not patterns or "pip_config" in secret_overrides or settings.build.secrets.pip_config:
         return
     offered = [wheel.name for wheel in wheels_in(wheels_dir)]
-    missing = [p for p in patterns if not any(fnmatch.fnmatch(name, p) for name in offered)]
-    if missing:
-        where = f"in {wheels_dir}" if wheels_dir else "(no --wheels folder)"
-        raise ConfigError(f"{item.key} needs a wheel matching {missing[0]} and none is offered "
-                          f"{where}", hint="pass --wheels DIR holding it (or build.wheels_dir), "
-                          "or a pip_config secret naming an index that serves it")
+    for platform in item.platforms or (host_platform(),):
+        missing = [p for p in patterns
+                   if not any(fnmatch.fnmatch(name, p) and _runs_on(name, platform)
+                              for name in offered)]
+        if missing:
+            where = f"in {wheels_dir}" if wheels_dir else "(no --wheels folder)"
+            what = f" for {platform}" if item.platforms else ""
+            raise ConfigError(
+                f"{item.key}{what} needs a wheel matching {missing[0]} ({platform.machine}) "
+                f"and none is offered {where}", hint="pass --wheels DIR holding it (or "
+                "build.wheels_dir), or a pip_config secret naming an index that serves it")
+
+
+def _runs_on(wheel: str, platform: Platform) -> bool:
+    """Whether a wheel's platform tag (its file name's last field) fits ``platform``."""
+    tag = wheel.removesuffix(".whl").rsplit("-", 1)[-1]
+    return tag == "any" or platform.machine in tag
 
 
 def skipped(item: PlanItem) -> BuildOutcome:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from imgpipe.base.config import Settings, format_validation_error
 from imgpipe.base.errors import ConfigError
+from imgpipe.base.platforms import Platform, host_platform
 
 IMAGE_FILE = "image.yaml"
 SecretName = Literal["ca_bundle", "pip_config", "ngc_api_key"]
@@ -35,6 +36,20 @@ class Flavor(_Strict):
     required_wheels: list[str] = Field(default_factory=list, description="wheel name patterns "
                                        "(torch-*+cpu-*.whl) a build of this flavor must be "
                                        "offered, unless a pip config names an index")
+    platform_bases: dict[str, str] = Field(
+        default_factory=dict, description="platform -> base, where one platform's base is "
+        "another image (an engine holds one platform per tag: imgpipe base-image --platform "
+        "linux/arm64 makes imgpipe/debian-python:bookworm-arm64); a multi-platform index "
+        "(NGC's) needs none")
+
+    @field_validator("platform_bases")
+    @classmethod
+    def _platform_keys(cls, value: dict[str, str]) -> dict[str, str]:
+        return {str(_platform(name)): base for name, base in value.items()}
+
+    def base_for(self, platform: Platform) -> str:
+        """The base image a build for ``platform`` starts from."""
+        return self.platform_bases.get(str(platform), self.base)
 
     @field_validator("build_args")
     @classmethod
@@ -67,6 +82,9 @@ class ImageSpec(_Strict):
     selftest: list[str] = Field(default_factory=list,
                                 description="argv that proves a built image works")
     dockerfile: str = "Dockerfile"
+    platforms: list[str] = Field(default_factory=list, description="platforms every build is "
+                                 "made for (linux/amd64, linux/arm64); default: the build "
+                                 "host's.  --platform overrides")
     squashfs_compression: Literal["zstd", "lz4", "lzo-enroot", "none"] | None = Field(
         default=None, description="overrides enroot.compression in imgpipe.yaml for this image")
 
@@ -86,12 +104,24 @@ class ImageSpec(_Strict):
             raise ValueError("must be a registry repository path such as imgpipe/bert")
         return value
 
+    @field_validator("platforms")
+    @classmethod
+    def _platforms(cls, value: list[str]) -> list[str]:
+        return list(dict.fromkeys(str(_platform(name)) for name in value))
+
     @field_validator("flavors")
     @classmethod
     def _some_flavor(cls, value: dict[str, Flavor]) -> dict[str, Flavor]:
         if not value:
             raise ValueError("at least one flavor (ngc or cpu) is needed")
         return value
+
+
+def _platform(text: str) -> Platform:
+    try:
+        return Platform.parse(text)
+    except ConfigError as exc:
+        raise ValueError(f"{exc.message} (write os/architecture, e.g. linux/arm64)") from None
 
 
 class Image(BaseModel):
@@ -109,6 +139,11 @@ class Image(BaseModel):
     @property
     def dockerfile(self) -> Path:
         return self.folder / self.spec.dockerfile
+
+    @property
+    def platforms(self) -> tuple[Platform, ...]:
+        """What a build makes: image.yaml's platforms, else the build host's."""
+        return tuple(Platform.parse(p) for p in self.spec.platforms) or (host_platform(),)
 
     def flavor(self, name: str) -> Flavor:
         try:

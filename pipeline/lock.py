@@ -18,10 +18,27 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from imgpipe.base.errors import ConfigError
 from imgpipe.base.files import SquashfsPath, atomic_write
+from imgpipe.base.platforms import Platform
 from imgpipe.registry.reference import Reference
 
 LOCK_NAME = "imgpipe.lock"
 LOCK_VERSION = 1
+
+
+class PlatformPin(BaseModel):
+    """One platform's manifest under an index build, and its squashfs files."""
+
+    model_config = ConfigDict(extra="allow")
+
+    digest: str  # the platform's manifest digest: what is converted and published
+    config_digest: str
+    size: int = 0
+    squashfs: str | None = None
+    squashfs_sha256: str | None = None
+    squashfs_digests: dict[str, str] = {}
+
+    def squashfs_file(self) -> SquashfsPath | None:
+        return SquashfsPath.checked(self.squashfs) if self.squashfs else None
 
 
 class LockEntry(BaseModel):
@@ -45,6 +62,27 @@ class LockEntry(BaseModel):
     squashfs_digests: dict[str, str] = {}
     build_args: dict[str, str] = {}  # the values, beside their hash in inputs
     wheels_dir: str | None = None  # the wheels folder the build was offered
+    # An index build: ``digest`` is the index, each platform's manifest is here
+    platforms: dict[str, PlatformPin] = {}
+
+    def platform_pin(self, platform: Platform) -> PlatformPin:
+        """The manifest of ``platform`` in an index build; NotPushedError naming what the
+        index offers when it has none."""
+        found = self.platforms.get(str(platform))
+        if found is None:
+            offered = ", ".join(self.platforms) or "one manifest of no named platform"
+            raise NotPushedError(f"{self.repository}@{self.digest[:19]} has no {platform} "
+                                 f"image (it has {offered})",
+                                 hint=f"add {platform} to the image's platforms, build and "
+                                 "push; or pass --platform with one it has")
+        return found
+
+    def holder(self, manifest_digest: str) -> LockEntry | PlatformPin | None:
+        """Where the squashfs facts of ``manifest_digest`` are kept: this entry (a one-
+        manifest build) or one of its platforms."""
+        if self.digest == manifest_digest and not self.platforms:
+            return self
+        return next((p for p in self.platforms.values() if p.digest == manifest_digest), None)
 
     @property
     def pinned(self) -> str:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
+from imgpipe.base.platforms import Platform
 from imgpipe.pipeline.catalog import Image
 from imgpipe.pipeline.context import ContextFile, context_files, wheels_in
 from imgpipe.pipeline.lock import LockFile
@@ -23,6 +24,7 @@ from imgpipe.pipeline.lock import LockFile
 Action = Literal["build", "up to date"]
 INPUT_NAMES = ("dockerfile", "context", "build_args", "flavor", "base", "labels", "secrets",
                "wheels")
+PLATFORM_INPUT = ("platforms",)  # an index build's platforms and each one's base
 
 
 def _digest(value: object) -> str:
@@ -40,10 +42,20 @@ class PlanItem:
     files: list[ContextFile] = field(repr=False)
     action: Action = "build"
     reason: str = ""
+    # The platforms of an index build (one manifest each under one index); empty: one
+    # manifest of the build host's platform, as before platforms were named
+    platforms: tuple[Platform, ...] = ()
 
     @property
     def input_hash(self) -> str:
-        return "sha256:" + _digest({k: self.inputs[k] for k in INPUT_NAMES})
+        return "sha256:" + _digest({k: self.inputs[k] for k in INPUT_NAMES + PLATFORM_INPUT
+                                    if k in self.inputs})
+
+    def base_for(self, platform: Platform) -> str:
+        """The BASE_IMAGE of this build for ``platform``."""
+        base = self.build_args["BASE_IMAGE"]
+        flavor = self.image.flavor(self.flavor)
+        return flavor.base_for(platform) if base == flavor.base else base
 
     @property
     def key(self) -> str:
@@ -79,12 +91,19 @@ def compute_inputs(image: Image, flavor: str, build_args: dict[str, str],
 
 def plan_image(image: Image, flavor: str, lock: LockFile, *, overrides: dict[str, str],
                base_override: str | None, wheels_dir: Path | None,
-               resolve_base: Callable[[str], str | None], force: bool = False) -> PlanItem:
-    """Decide whether ``image`` in ``flavor`` needs a build, and say why."""
+               resolve_base: Callable[[str], str | None], force: bool = False,
+               platforms: tuple[Platform, ...] = ()) -> PlanItem:
+    """Decide whether ``image`` in ``flavor`` needs a build, and say why.  ``platforms``
+    (else image.yaml's, else none: the build host's one manifest) makes an index build."""
     build_args = build_args_for(image, flavor, overrides, base_override)
     base_digest = resolve_base(build_args["BASE_IMAGE"])
     inputs, files = compute_inputs(image, flavor, build_args, base_digest, wheels_dir)
-    item = PlanItem(image, flavor, build_args, base_digest, inputs, files)
+    chosen = platforms or (image.platforms if image.spec.platforms else ())
+    item = PlanItem(image, flavor, build_args, base_digest, inputs, files, platforms=chosen)
+    if chosen:
+        bases = {str(p): resolve_base(item.base_for(p)) or f"unresolved:{item.base_for(p)}"
+                 for p in chosen}
+        inputs["platforms"] = _digest(bases)
     previous = lock.entry(image.name, flavor)
     if force:
         return replace(item, action="build", reason="--force")
@@ -93,6 +112,7 @@ def plan_image(image: Image, flavor: str, lock: LockFile, *, overrides: dict[str
     if previous.input_hash == item.input_hash:
         return replace(item, action="up to date",
                    reason=f"inputs match the push of {previous.pushed_at} ({previous.digest[:19]})")
-    changed = [name for name in INPUT_NAMES if previous.inputs.get(name) != inputs[name]]
+    changed = [name for name in INPUT_NAMES + PLATFORM_INPUT
+               if previous.inputs.get(name) != inputs.get(name)]
     return replace(item, action="build", reason="changed: " + ", ".join(changed or ["hash"]))
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 
 from imgpipe.base.errors import ImgpipeError
+from imgpipe.base.platforms import host_platform
 from imgpipe.pipeline.builds import HASH_LABEL, INPUTS_LABEL, LABEL_PREFIX
 from imgpipe.pipeline.catalog import Image
-from imgpipe.pipeline.lock import LockEntry
+from imgpipe.pipeline.lock import LockEntry, PlatformPin
 from imgpipe.registry.client import RegistryClient
+from imgpipe.registry.platformindex import platform_digests
 
 
 def version_tag(image: Image, flavor: str) -> str:
@@ -29,7 +31,13 @@ def pushed_entry(client: RegistryClient, image: Image, flavor: str) -> LockEntry
     digest = client.manifest_digest(repository, tag)
     if digest is None:
         return None
-    manifest = client.manifest(repository, digest)
+    platforms: dict[str, PlatformPin] = {}
+    for platform, child in platform_digests(client, repository, digest).items():
+        held = client.manifest_exactly(repository, child)
+        platforms[str(platform)] = PlatformPin(digest=child, config_digest=held.config_digest,
+                                               size=held.size)
+    own = platforms.get(str(host_platform())) or next(iter(platforms.values()), None)
+    manifest = client.manifest_exactly(repository, own.digest if own else digest)
     labels = (client.image_config(repository, manifest.config_digest).get("config") or {}
               ).get("Labels") or {}
     input_hash = labels.get(HASH_LABEL)
@@ -44,7 +52,8 @@ def pushed_entry(client: RegistryClient, image: Image, flavor: str) -> LockEntry
         config_digest=manifest.config_digest, input_hash=input_hash,
         inputs={str(k): str(v) for k, v in inputs.items()} if isinstance(inputs, dict) else {},
         flavor=flavor, base=labels.get(f"{LABEL_PREFIX}.base.name", ""),
-        size=manifest.size, pushed_at=labels.get(f"{LABEL_PREFIX}.created", "in the registry"))
+        size=manifest.size, pushed_at=labels.get(f"{LABEL_PREFIX}.created", "in the registry"),
+        platforms=platforms)
 
 
 def pushed_entries(client: RegistryClient, images: list[Image], flavor: str

@@ -19,6 +19,7 @@ from pathlib import Path
 import jinja2
 
 from imgpipe.base.files import SquashfsPath, atomic_write
+from imgpipe.base.platforms import Platform
 from imgpipe.recipes.errors import RecipeError
 from imgpipe.recipes.ncclscript import check_program
 from imgpipe.recipes.profiles import Profile
@@ -54,6 +55,10 @@ class RecipeInputs:
     shards: int | None = None  # None: the job derives it from the corpus size
     env: dict[str, str] = field(default_factory=dict)
     adjust_global_batch: bool = False
+    # An index build: platform (linux/arm64) -> that platform's pin; the scripts pick the
+    # node's (``image`` is then the first, for what shows one)
+    platform_images: dict[str, Reference | SquashfsPath | str] = field(default_factory=dict)
+    selftest: tuple[str, ...] = ()  # the image's self-test argv: run.sub's SELFTEST mode
 
 
 def _sbatch_value(value: str, what: str) -> str:
@@ -94,6 +99,24 @@ def pinned_image(image: Reference | SquashfsPath | str) -> str:
         raise RecipeError(f"image {image!r} is not pinned to a digest",
                           hint="recipes pin bytes, not names: push it, then render again")
     return ref.enroot
+
+
+def cont_choice(image: str, platform_images: dict[str, str], script: str) -> str:
+    """Bash that sets ``default_cont``: the one pin, or each platform's picked by the node's
+    platform (``IMGPIPE_PLATFORM``, else ``uname -m``: the importer's rule)."""
+    if len(set(platform_images.values())) <= 1:
+        only = next(iter(platform_images.values()), image)
+        return f"default_cont={shlex.quote(only)}"
+    lines = ["# One image per platform: the node's (IMGPIPE_PLATFORM, else uname -m) picks.",
+             'node_platform="${IMGPIPE_PLATFORM:-$(uname -m)}"',
+             'case "$node_platform" in']
+    for name, pinned in platform_images.items():
+        parsed = Platform.parse(name)
+        lines.append(f"  {name}|{parsed.machine}) default_cont={shlex.quote(pinned)} ;;")
+    offered = " ".join(platform_images)
+    lines += [f'  *) echo "{script}: no image for platform $node_platform (this bundle has '
+              f'{offered})" >&2; exit 2 ;;', "esac"]
+    return "\n".join(lines)
 
 
 def _walltime(minutes: int) -> str:
@@ -158,9 +181,11 @@ def render_bundle(inputs: RecipeInputs, folder: Path, phases: tuple[int, ...] = 
     shapes = [shape_for(profile, inputs.nodes, phase, inputs.adjust_global_batch)
               for phase in phases]
     image = pinned_image(inputs.image)
+    platform_images = {str(Platform.parse(name)): pinned_image(pin)
+                       for name, pin in inputs.platform_images.items()}
     nccl_image = pinned_image(inputs.nccl_image) if inputs.nccl_image else image
     if inputs.runtime == "pyxis" and not inputs.enroot_takes_digests:
-        for shown in {image, nccl_image}:
+        for shown in {image, nccl_image, *platform_images.values()}:
             if "@sha256:" in shown:
                 raise RecipeError(
                     f"the nodes' Enroot ({inputs.enroot_seen}) rejects digest references "
@@ -169,6 +194,8 @@ def render_bundle(inputs: RecipeInputs, folder: Path, phases: tuple[int, ...] = 
     context = {
         "profile": profile, "nodes": inputs.nodes, "runtime": inputs.runtime,
         "image": image, "nccl_image": nccl_image,
+        "per_platform": len(set(platform_images.values())) > 1,
+        "selftest": " ".join(shlex.quote(arg) for arg in inputs.selftest),
         "partition": _sbatch_value(inputs.partition or profile.partition, "partition"),
         "walltime": _walltime(inputs.walltime_minutes),
         "walltime_minutes": inputs.walltime_minutes,
@@ -194,13 +221,16 @@ def render_bundle(inputs: RecipeInputs, folder: Path, phases: tuple[int, ...] = 
     templates = _jinja()
     written = []
     for name in ("run.sub", "dataset.sub", "nccl.sub"):
-        text = templates.get_template(f"{name}.j2").render(**context, shape=shapes[0])
+        chosen = cont_choice(image, platform_images, name) if name != "nccl.sub" else ""
+        text = templates.get_template(f"{name}.j2").render(**context, shape=shapes[0],
+                                                           cont_choice=chosen)
         written.append(atomic_write(folder / name, text, mode=0o755))
     for shape in shapes:
         text = templates.get_template("config.sh.j2").render(**context, shape=shape)
         written.append(atomic_write(folder / shape.config_name, text, mode=0o644))
     meta = {"profile": profile.name, "nodes": inputs.nodes, "runtime": inputs.runtime,
             "image": image, "nccl_image": nccl_image,
+            **({"platform_images": platform_images} if platform_images else {}),
             "shapes": [asdict(shape) for shape in shapes],
             "files": sorted(p.name for p in written)}
     written.append(atomic_write(folder / "bundle.json", json.dumps(meta, indent=2) + "\n"))

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from imgpipe.base import process
 from imgpipe.base.errors import ImgpipeError
+from imgpipe.base.platforms import PLATFORM_ENV, Platform, host_platform
 from imgpipe.recipes.errors import RecipeError
 
 STATE_FILE = "sandbox.json"
@@ -66,6 +67,18 @@ class SandboxSpec:
     gpus: int = 8            # fake GPU device files, so GPU profiles' requests are accepted
     memory_mb: int = 8000
     plugstack: Path | None = None  # a SPANK plugstack.conf (e.g. Pyxis's line) for slurmd
+    # compute hosts of another platform than this machine's: "node2=linux/arm64,..."; their
+    # jobs run that platform's images under emulation (binfmt), as a Grace node runs them
+    # natively
+    platforms: str = ""
+
+    def node_platform(self, host: Host) -> Platform:
+        """The platform ``host`` stands for (this machine's unless ``platforms`` says)."""
+        for pair in self.platforms.split(","):
+            name, _, platform = pair.partition("=")
+            if name.strip() == host.name and platform.strip():
+                return Platform.parse(platform)
+        return host_platform()
 
     @property
     def network(self) -> ipaddress.IPv4Network:
@@ -102,6 +115,21 @@ class State:
     links: list[str] = field(default_factory=list)
     netns_dirs: list[str] = field(default_factory=list)
     pids: dict[str, int] = field(default_factory=dict)
+
+
+def write_platform_prolog(root: Path, emulated: dict[str, Platform]) -> Path | None:
+    """Slurm's TaskProlog for hosts that stand for another platform: it gives their tasks
+    ``IMGPIPE_PLATFORM`` (what ``uname -m`` says on a real node of that platform), which the
+    importer and the job scripts read.  None (and no file) when every host is this one's."""
+    path = root / "taskprolog.sh"
+    if not emulated:
+        path.unlink(missing_ok=True)
+        return None
+    cases = "".join(f'  {name}) echo "export {PLATFORM_ENV}={platform}" ;;\n'
+                    for name, platform in sorted(emulated.items()))
+    path.write_text(f'#!/bin/sh\ncase "${{SLURMD_NODENAME:-$(hostname)}}" in\n{cases}esac\n')
+    os.chmod(path, 0o755)
+    return path
 
 
 def _check_name(spec: SandboxSpec) -> None:
@@ -184,7 +212,8 @@ class Sandbox:
                 root=Path(spec["root"]), name=spec["name"], subnet=spec["subnet"],
                 compute_nodes=int(spec["compute_nodes"]), cpus=int(spec["cpus"]),
                 gpus=int(spec["gpus"]), memory_mb=int(spec["memory_mb"]),
-                plugstack=Path(plugstack) if plugstack not in (None, "None") else None))
+                plugstack=Path(plugstack) if plugstack not in (None, "None") else None,
+                platforms=str(spec.get("platforms") or "")))
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -317,8 +346,11 @@ class Sandbox:
         last = spec.compute_nodes
         gpus = f"Gres=gpu:{spec.gpus} " if spec.gpus else ""
         node_lines = [f"NodeName={h.name} NodeAddr={h.address} NodeHostname={h.name} "
-                      f"CPUs={spec.cpus} RealMemory={spec.memory_mb} {gpus}State=UNKNOWN"
+                      f"CPUs={spec.cpus} RealMemory={spec.memory_mb} {gpus}"
+                      f"Features={spec.node_platform(h).architecture} State=UNKNOWN"
                       for h in spec.nodes]
+        prolog = write_platform_prolog(root, {h.name: spec.node_platform(h) for h in spec.nodes
+                                              if spec.node_platform(h) != host_platform()})
         self.conf.write_text("\n".join([
             f"ClusterName={spec.name}-sandbox",
             f"SlurmctldHost={spec.head.name}({spec.head.address})",
@@ -350,6 +382,7 @@ class Sandbox:
             "KillWait=10",
             "GresTypes=gpu",
             *([f"PlugStackConfig={spec.plugstack}"] if spec.plugstack else []),
+            *([f"TaskProlog={prolog}"] if prolog else []),
             *node_lines,
             f"PartitionName=debug Nodes=node[1-{last}] Default=YES MaxTime=INFINITE "
             "State=UP OverSubscribe=YES",

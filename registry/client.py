@@ -24,6 +24,7 @@ from urllib3.exceptions import ReadTimeoutError
 from urllib3.util.retry import Retry
 
 from imgpipe.base.files import atomic_path
+from imgpipe.base.platforms import Platform, host_platform
 from imgpipe.registry.auth import Authenticator, Credentials
 from imgpipe.registry.errors import AuthError, DigestMismatchError, RegistryError
 from imgpipe.registry.mediatypes import (  # noqa: F401 (re-exported)
@@ -42,19 +43,6 @@ READ_TIMEOUT_S = 20.0  # of silence: a stalled registry is given up on, not wait
 REGISTRY_HEADER = "Docker-Distribution-API-Version"
 CHUNK = 1 << 20
 PAGE_SIZE = 100  # registry:2 rejects n above 1000 and answers 100 when n is absent
-
-
-@dataclass(frozen=True)
-class Platform:
-    os: str = "linux"
-    architecture: str = "amd64"
-    variant: str | None = None
-
-    @classmethod
-    def host(cls) -> Platform:
-        machine = os.uname().machine
-        arch = {"x86_64": "amd64", "aarch64": "arm64", "ppc64le": "ppc64le"}.get(machine, machine)
-        return cls("linux", arch, "v8" if arch == "arm64" else None)
 
 
 @dataclass(frozen=True)
@@ -307,7 +295,7 @@ class RegistryClient:
                                 f"{repository}`", status=404, registry_code="MANIFEST_UNKNOWN")
         manifest = self._manifest_from(response, reference)
         if manifest.media_type in INDEX_TYPES:
-            entry = select_platform(manifest.body, platform or Platform.host())
+            entry = select_platform(manifest.body, platform or host_platform())
             return self.manifest(repository, entry["digest"], platform)
         return manifest
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -158,6 +159,7 @@ def test_a_flavor_that_needs_a_cpu_torch_wheel_is_never_built_without_one(tmp_pa
     naming an index), the build is refused in one line before the engine is called, rather
     than pulling PyPI's 5 GB CUDA torch under the cpu tags."""
     from imgpipe.base.config import Settings
+    from imgpipe.base.platforms import parse_platforms
     from imgpipe.pipeline.builds import require_wheels
 
     folder = make_image(tmp_path / "images", flavors={"cpu": {
@@ -165,7 +167,7 @@ def test_a_flavor_that_needs_a_cpu_torch_wheel_is_never_built_without_one(tmp_pa
     item = plan(folder, LockFile())
     settings = Settings(root=tmp_path)
     with pytest.raises(ConfigError, match=r"bert/cpu needs a wheel matching torch-\*\+cpu-\*"
-                       r"\.whl and none is offered \(no --wheels folder\)"):
+                       r"\.whl \(x86_64\) and none is offered \(no --wheels folder\)"):
         require_wheels(settings, item, None, {})
     wheels = tmp_path / "wheels"
     wheels.mkdir()
@@ -175,6 +177,14 @@ def test_a_flavor_that_needs_a_cpu_torch_wheel_is_never_built_without_one(tmp_pa
     (wheels / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"cpu")
     require_wheels(settings, item, wheels, {})
     require_wheels(settings, item, None, {"pip_config": tmp_path / "pip.conf"})
+    # Built for Grace too: the x86 wheel does not serve aarch64 (PyPI's aarch64 torch is
+    # the CUDA build as well)
+    both = replace(item, platforms=parse_platforms("linux/amd64,linux/arm64"))
+    with pytest.raises(ConfigError, match=r"bert/cpu for linux/arm64 needs a wheel matching "
+                       r"torch-\*\+cpu-\*\.whl \(aarch64\)"):
+        require_wheels(settings, both, wheels, {})
+    (wheels / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_aarch64.whl").write_bytes(b"arm")
+    require_wheels(settings, both, wheels, {})
 
 
 def test_the_wheels_are_an_input_by_content(tmp_path: Path) -> None:

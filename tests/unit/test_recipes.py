@@ -128,7 +128,7 @@ def test_hostile_environment_values_are_quoted(value: str, tmp_path: Path) -> No
     assert bundle.files
     line = next(x for x in script.read_text().split("\nexport ") if x.startswith("SITE_VALUE="))
     assignment = "export " + line.split("\nexport ")[0]
-    probe = subprocess.run(["bash", "-c", assignment.split("\ncase ")[0]
+    probe = subprocess.run(["bash", "-c", assignment.split("\n\n")[0]
                             + '\nprintf %s "$SITE_VALUE"'], capture_output=True, text=True)
     assert probe.stdout == value  # the shell reads it back unchanged
     assert not Path(MARKER).exists()
