@@ -18,7 +18,7 @@ from imgpipe.pipeline.lock import LockEntry, NotPushedError, PlatformPin
 from imgpipe.pipeline.plan import plan_image
 from imgpipe.recipes.profiles import load_profile
 from imgpipe.recipes.render import RecipeInputs, render_bundle
-from imgpipe.recipes.sandbox import write_platform_prolog
+from imgpipe.recipes.sandboxfiles import write_platform_prolog
 
 AMD, ARM = Platform.parse("linux/amd64"), Platform.parse("linux/arm64")
 DIGEST = {p: f"sha256:{c * 64}" for p, c in (("linux/amd64", "a"), ("linux/arm64", "b"))}
