@@ -3,7 +3,8 @@
 With Pyxis's squashfuse mode a job starts in about 0.4 s, so the importer's `get` for a
 digest already converted is most of a job's start-up.  Measured from a regular (not
 editable) install made from Debian's Python, as compute nodes have it: `get` by digest (no
-network) and by tag (one HEAD), and `release`; cold (page cache dropped first, root only)
+network), by tag (one HEAD), by an index's digest (one GET of the index, for a multi-platform
+image), and `release`; cold (page cache dropped first, root only)
 and warm (median of 10).  Goals: get <= 0.1 s, release <= 0.05 s.
 
     ./setup.sh demo   # the registry on 127.0.0.1:5000 holds imgpipe/bert
@@ -34,6 +35,17 @@ def timed(argv: list[str], env: dict[str, str]) -> float:
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(argv)} failed: {done.stderr.strip()}")
     return took
+
+
+def _tag_digest(host: str, port: int, repository: str, tag: str) -> str | None:
+    import http.client
+
+    from imgpipe.registry.mediatypes import MANIFEST_ACCEPT
+
+    connection = http.client.HTTPConnection(host, port, timeout=10)
+    connection.request("HEAD", f"/v2/{repository}/manifests/{tag}",
+                       headers={"Accept": MANIFEST_ACCEPT})
+    return connection.getresponse().getheader("Docker-Content-Digest")
 
 
 def drop_caches() -> bool:
@@ -80,6 +92,10 @@ def main() -> None:
         cases = {"get by digest": [*importer_argv, "get", by_digest],
                  "get by tag": [*importer_argv, "get", by_tag],
                  "release": [*importer_argv, "release"]}
+        named = _tag_digest(host, int(port), repository, tag)
+        if named and named != digest:  # the tag names an index: what multi-platform pins
+            cases["get by index digest"] = [*importer_argv, "get",
+                                            f"docker://{host}:{port}#{repository}@{named}"]
         if args.as_user:
             cases["runuser alone"] = ["runuser", "-u", args.as_user, "--", "/bin/true"]
         print(f"image {args.image}: {first} (converted once before timing)")

@@ -122,16 +122,23 @@ def quick_settings(path: str | None) -> dict[str, Any] | None:
     }
 
 
+def _connect(scheme: str, address: str) -> Any:
+    import http.client
+
+    host, _, port = address.rpartition(":")
+    kind = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
+    return kind(host, int(port), timeout=5)
+
+
 def _head_digest(scheme: str, address: str, repository: str, tag: str) -> str | None:
-    """The manifest digest a tag names, by one HEAD; None for an index or anything odd."""
+    """The manifest digest a tag names, by one HEAD (an index: its entry for this node's
+    platform, by one GET more); None for anything odd."""
     import http.client
 
     from imgpipe.registry.mediatypes import INDEX_TYPES, MANIFEST_ACCEPT
 
-    host, _, port = address.rpartition(":")
-    kind = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
     try:
-        connection = kind(host, int(port), timeout=5)
+        connection = _connect(scheme, address)
         connection.request("HEAD", f"/v2/{repository}/manifests/{tag}",
                            headers={"Accept": MANIFEST_ACCEPT})
         response = connection.getresponse()
@@ -140,9 +147,47 @@ def _head_digest(scheme: str, address: str, repository: str, tag: str) -> str | 
         return None
     media_type = (response.getheader("Content-Type") or "").split(";")[0].strip()
     digest = response.getheader("Docker-Content-Digest")
-    if response.status != 200 or media_type in INDEX_TYPES or not digest:
+    if response.status != 200 or not digest:
         return None
+    if media_type in INDEX_TYPES:
+        return _platform_entry(scheme, address, repository, digest)
     return digest
+
+
+def _platform_entry(scheme: str, address: str, repository: str, digest: str) -> str | None:
+    """This node's manifest in the index ``digest`` (IMGPIPE_PLATFORM, else uname -m), by
+    one GET whose bytes must hash to ``digest`` (so nothing is trusted that the digest does
+    not pin); ``digest`` itself when it names a plain manifest; None for anything odd."""
+    import hashlib
+    import http.client
+    import json
+
+    from imgpipe.base.platforms import node_platform
+    from imgpipe.registry.mediatypes import INDEX_TYPES, MANIFEST_ACCEPT
+
+    try:
+        connection = _connect(scheme, address)
+        connection.request("GET", f"/v2/{repository}/manifests/{digest}",
+                           headers={"Accept": MANIFEST_ACCEPT})
+        response = connection.getresponse()
+        body = response.read(4 << 20)
+        connection.close()
+        if response.status != 200 or f"sha256:{hashlib.sha256(body).hexdigest()}" != digest:
+            return None
+        served = json.loads(body)
+        if served.get("mediaType") not in INDEX_TYPES:
+            return digest
+        platform = node_platform()
+        for entry in served.get("manifests") or []:
+            wanted = entry.get("platform") or {}
+            child = entry.get("digest")
+            if (wanted.get("os"), wanted.get("architecture")) == (
+                    platform.os, platform.architecture) and isinstance(child, str) \
+                    and child.startswith("sha256:") and len(child) == 71:
+                return child
+    except (OSError, http.client.HTTPException, ValueError, AttributeError):
+        return None
+    return None
 
 
 def fast_get(uri: str) -> Path | None:
@@ -162,9 +207,10 @@ def fast_get(uri: str) -> Path | None:
         return None
     if ref.registry != quick["address"]:
         return None  # the full path refuses it with its one line
+    online = quick["plain"] and quick["scheme"] in ("http", "https")
     digest = ref.digest
     if digest is None:
-        if not quick["plain"] or quick["scheme"] not in ("http", "https"):
+        if not online:
             return None
         digest = _head_digest(quick["scheme"], quick["address"], ref.repository,
                               ref.reference)
@@ -174,8 +220,17 @@ def fast_get(uri: str) -> Path | None:
         storage = Storage(quick["squashfs_dir"], CacheTrust.of(quick["cache_owner"]))
         if storage.shared and not quick["squashfs_dir"].stat().st_mode & 0o1000:
             return None  # the full path refuses it with its one line
-        return storage.find_squashfs(ref.repository, digest, quick["compression"],
-                                     pins_in(os.environ.get(PINS_ENV, ""), digest), _say)
+
+        def find(manifest: str) -> Path | None:
+            return storage.find_squashfs(ref.repository, manifest, quick["compression"],
+                                         pins_in(os.environ.get(PINS_ENV, ""), manifest), _say)
+
+        found = find(digest)
+        if found is None and ref.digest is not None and online:
+            # a pinned index: this node's platform's manifest keys the cache
+            child = _platform_entry(quick["scheme"], quick["address"], ref.repository, digest)
+            found = find(child) if child and child != digest else None
+        return found
     except Exception:  # anything unexpected: the full path, with its errors, decides
         return None
 

@@ -206,6 +206,11 @@ def test_one_run_sub_runs_each_node_its_own_platform(pushed, mixed_cluster) -> N
         path = Path(got.stdout.strip())
         assert published[platform].split(":")[1] in path.name, (node, path)
         assert path.parent == squashfs
+        again = mixed_cluster.run(  # warm: the same file, without the network's full path
+            ["srun", "-w", node, "-N1", "-n1", str(bin_dir / "imgpipe-pyxis-importer"), "get",
+             uri], user=ALICE, timeout=300, cwd="/tmp",
+            env={"IMGPIPE_CONFIG": str(config), "IMGPIPE_SQUASHFS_PINS": pins})
+        assert again.returncode == 0 and again.stdout.strip() == str(path), again.stderr
 
 
 def _ids(user: str) -> tuple[int, int]:
