@@ -45,7 +45,8 @@ STEPS = {1: 900, 2: 300}
 # starts higher (positions 129-512 were never trained) and needs a few hundred steps of its
 # own: with 16 sequences a step at 0.006 it ends near 3.9 in 300 (8 sequences at the profile's
 # 0.004: 3.9-4.1 after 400, noisier and no faster).  Measured, 4 ranks on 2 cores, README.
-PHASE_OVERRIDES = {1: "LR=0.01 WARMUP_PROPORTION=0.05", 2: "BATCHSIZE=4 LR=0.006"}
+# EXPORT=hf: phase 2's model leaves as a Hugging Face folder (RESULTS/<job>/export-hf).
+PHASE_OVERRIDES = {1: "LR=0.01 WARMUP_PROPORTION=0.05", 2: "BATCHSIZE=4 LR=0.006 EXPORT=hf"}
 CORPUS_MB = 0.3
 VOCAB_WORDS = 2000
 JOB_NAMES = {"dataset.sub": "bert-dataset", "run.sub": "bert-pretrain",
@@ -317,6 +318,7 @@ def run(args: argparse.Namespace) -> int:
                         f"&& sbatch --parsable -N$DGXNNODES "
                         f"--ntasks-per-node=$DGXNGPU {recipes}/run.sub", phase, said)
         job.step, job.loss = last_step(results, phase)
+    fill_mask(results, corpus)
     # 3. the NCCL check (bus bandwidth with PyTorch's all-reduce: nccl-tests needs CUDA)
     submit_and_wait(cluster, recipes, jobs_dir, jobs[3], jobs, results,
                     f"{env} && sbatch --parsable -N2 --ntasks-per-node=2 {recipes}/nccl.sub",
@@ -333,6 +335,21 @@ def run(args: argparse.Namespace) -> int:
     made = imgpipe("report", str(results), capture=True)
     print_summary(pins, jobs, made, recipes, time.monotonic() - started)
     return 0
+
+
+def fill_mask(results: Path, corpus: Path) -> None:
+    """What the exported phase 2 model predicts for a few masked corpus sentences, through
+    transformers' fill-mask pipeline (this venv has it): RESULTS/fill_mask.json, which the
+    report shows."""
+    exports = sorted(results.glob("*/export-hf"), key=lambda p: p.stat().st_mtime)
+    if not exports:
+        say("no exported model in the results (phase 2 ran before EXPORT=hf): no fill-mask")
+        return
+    text = next(p for p in sorted(corpus.iterdir()) if p.is_file() and p.name != "done")
+    say(f"$ python -m bert_trainer.fillmask {exports[-1]} --corpus {text}")
+    process.run([sys.executable, "-m", "bert_trainer.fillmask", str(exports[-1]),
+                 "--corpus", str(text), "-o", str(results / "fill_mask.json")],
+                timeout=600, what="fill-mask")
 
 
 def print_summary(pins: dict[str, str], jobs: list[Job], made: dict[str, Any], recipes: Path,
@@ -358,6 +375,8 @@ def print_summary(pins: dict[str, str], jobs: list[Job], made: dict[str, Any], r
               f"{final / first:.2f} of the first")
     if "nccl" in summary:
         print(f"  nccl             {summary['nccl']['line']}")
+    for export in summary.get("exports", []):
+        print(f"  exported         {export}")
     print(f"  report           {made['report']}")
     print(f"  recipes          {recipes}")
     print(f"  time             {seconds:.0f} s")

@@ -49,6 +49,25 @@ def pin(settings: Settings, image: str, flavor: str, required: bool = True,
     return entry.squashfs_file() or entry.reference
 
 
+def pinned_digest(settings: Settings, pinned: Reference | SquashfsPath | str) -> str:
+    """The manifest digest behind a pin: a reference's own, or the one whose squashfs file
+    imgpipe.lock records; "" when nothing says (a squashfs path typed by hand)."""
+    if isinstance(pinned, Reference):
+        return pinned.digest or ""
+    if isinstance(pinned, str) and not pinned.startswith(("/", "./")):
+        try:
+            return Reference.parse(pinned).digest or ""
+        except ImgpipeError:
+            return ""
+    for flavors in read_lock(lock_path(settings.root)).images.values():
+        for entry in flavors.values():
+            holders: list[LockEntry | PlatformPin] = [entry, *entry.platforms.values()]
+            for held in holders:
+                if held.squashfs and held.squashfs == str(pinned):
+                    return held.digest
+    return ""
+
+
 def platform_pins(settings: Settings, image: str, flavor: str, only: Platform | None = None
                   ) -> dict[str, Reference | SquashfsPath]:
     """An index build's pin per platform (its squashfs file when converted here, else the
@@ -160,6 +179,8 @@ def render_recipes(settings: Settings, profile: Profile, nodes: int, runtime: Ru
         vocab=site.vocab, bert_config=site.bert_config, partition=site.partition,
         walltime_minutes=site.walltime_minutes, env=env,
         adjust_global_batch=adjust_global_batch, platform_images=dict(per_platform),
+        image_digest=pinned_digest(settings, pinned),
+        platform_digests={p: pinned_digest(settings, x) for p, x in per_platform.items()},
         selftest=_selftest_of(settings, "bert"),
         enroot_takes_digests=takes_digests(enroot_version), enroot_seen=seen)
     folder = output or settings.path(settings.outputs.recipes_dir) / f"{profile.name}-{nodes}n"

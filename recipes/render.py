@@ -59,6 +59,9 @@ class RecipeInputs:
     # node's (``image`` is then the first, for what shows one)
     platform_images: dict[str, Reference | SquashfsPath | str] = field(default_factory=dict)
     selftest: tuple[str, ...] = ()  # the image's self-test argv: run.sub's SELFTEST mode
+    # the manifest digest of ``image`` / of each platform's pin: what the jobs record they ran
+    image_digest: str = ""
+    platform_digests: dict[str, str] = field(default_factory=dict)
 
 
 def _sbatch_value(value: str, what: str) -> str:
@@ -101,22 +104,34 @@ def pinned_image(image: Reference | SquashfsPath | str) -> str:
     return ref.enroot
 
 
-def cont_choice(image: str, platform_images: dict[str, str], script: str) -> str:
-    """Bash that sets ``default_cont``: the one pin, or each platform's picked by the node's
-    platform (``IMGPIPE_PLATFORM``, else ``uname -m``: the importer's rule)."""
+def cont_choice(image: str, digest: str, platform_images: dict[str, str],
+                platform_digests: dict[str, str], script: str) -> str:
+    """Bash that sets ``default_cont`` and ``default_image_digest``: the one pin, or each
+    platform's, picked by the node's platform (``IMGPIPE_PLATFORM``, else ``uname -m``:
+    the importer's rule)."""
     if len(set(platform_images.values())) <= 1:
         only = next(iter(platform_images.values()), image)
-        return f"default_cont={shlex.quote(only)}"
+        chosen = next(iter(platform_digests.values()), digest)
+        return (f"default_cont={shlex.quote(only)}\n"
+                f"default_image_digest={shlex.quote(_digest(chosen))}")
     lines = ["# One image per platform: the node's (IMGPIPE_PLATFORM, else uname -m) picks.",
              'node_platform="${IMGPIPE_PLATFORM:-$(uname -m)}"',
              'case "$node_platform" in']
     for name, pinned in platform_images.items():
         parsed = Platform.parse(name)
-        lines.append(f"  {name}|{parsed.machine}) default_cont={shlex.quote(pinned)} ;;")
+        known = _digest(platform_digests.get(name, ""))
+        lines.append(f"  {name}|{parsed.machine}) default_cont={shlex.quote(pinned)}; "
+                     f"default_image_digest={shlex.quote(known)} ;;")
     offered = " ".join(platform_images)
     lines += [f'  *) echo "{script}: no image for platform $node_platform (this bundle has '
               f'{offered})" >&2; exit 2 ;;', "esac"]
     return "\n".join(lines)
+
+
+def _digest(value: str) -> str:
+    if value and not re.match(r"^sha256:[0-9a-f]{64}$", value):
+        raise RecipeError(f"{value!r} is not a sha256 digest")
+    return value
 
 
 def _walltime(minutes: int) -> str:
@@ -221,7 +236,8 @@ def render_bundle(inputs: RecipeInputs, folder: Path, phases: tuple[int, ...] = 
     templates = _jinja()
     written = []
     for name in ("run.sub", "dataset.sub", "nccl.sub"):
-        chosen = cont_choice(image, platform_images, name) if name != "nccl.sub" else ""
+        chosen = (cont_choice(image, inputs.image_digest, platform_images,
+                              inputs.platform_digests, name) if name != "nccl.sub" else "")
         text = templates.get_template(f"{name}.j2").render(**context, shape=shapes[0],
                                                            cont_choice=chosen)
         written.append(atomic_write(folder / name, text, mode=0o755))

@@ -11,6 +11,7 @@ plots inlined (one file to mail or open anywhere).
 from __future__ import annotations
 
 import base64
+import contextlib
 import html
 import json
 from dataclasses import dataclass, field
@@ -30,11 +31,19 @@ class ReportError(RecipeError):
     code = "report"
 
 
+FILL_MASK_FILE = "fill_mask.json"
+EXPORT_METADATA = "imgpipe_export.json"
+
+
 @dataclass
 class Results:
     steps: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # phase -> events
     nccl: list[tuple[Path, Run]] = field(default_factory=list)
     workflow: dict[str, Any] = field(default_factory=dict)
+    # job folder (<name>-<id>) -> the image its trainer logged it ran in
+    ran_in: dict[str, str] = field(default_factory=dict)
+    exports: list[tuple[Path, dict[str, Any]]] = field(default_factory=list)
+    fill_mask: list[dict[str, Any]] = field(default_factory=list)
 
 
 def read_results(folder: Path) -> Results:
@@ -52,12 +61,22 @@ def read_results(folder: Path) -> Results:
                     continue
                 if isinstance(event, dict) and event.get("event") == "step":
                     by_step[int(event["step"])] = event  # a requeued job repeats steps
+                elif isinstance(event, dict) and event.get("event") == "start":
+                    found.ran_in[path.parent.name] = str(event.get("image_digest")
+                                                         or event.get("image") or "not recorded")
         if by_step:
             found.steps[phase] = [by_step[s] for s in sorted(by_step)]
     for path in sorted(folder.glob("nccl-*.log")):
         runs = [r for r in parse(path.read_text(errors="replace")) if r.rows]
         if runs:
             found.nccl.append((path, runs[-1]))
+    for meta in sorted(folder.glob(f"*/export-*/{EXPORT_METADATA}")):
+        with contextlib.suppress(ValueError, OSError):
+            found.exports.append((meta.parent, json.loads(meta.read_text())))
+    fill = folder / FILL_MASK_FILE
+    if fill.is_file():
+        with contextlib.suppress(ValueError, OSError):
+            found.fill_mask = list(json.loads(fill.read_text()))
     workflow = folder / WORKFLOW_FILE
     if workflow.is_file():
         try:
@@ -151,7 +170,57 @@ def summary_of(results: Results, expected_busbw: float) -> dict[str, Any]:
                            "line": verdict_line(verdict),
                            "peak_busbw_gbs": round(run.peak_busbw, 3),
                            "expected_busbw_gbs": expected_busbw}
+    if results.exports:
+        summary["exports"] = [str(path) for path, _ in results.exports]
+    if results.ran_in:
+        summary["ran_in"] = dict(sorted(results.ran_in.items()))
     return summary
+
+
+def _ran_in(results: Results, job_id: object) -> str:
+    """The image the trainer of job ``job_id`` logged (its results folder ``*-<id>``)."""
+    return next((image for name, image in results.ran_in.items()
+                 if name.rsplit("-", 1)[-1] == str(job_id)), "")
+
+
+def _provenance(results: Results) -> list[str]:
+    """Jobs with the image each ran in, the pinned images (and any job that ran in another),
+    the exported models and what they predict: results are never shown beside an image
+    that did not produce them."""
+    parts = []
+    jobs = results.workflow.get("jobs", [])
+    if jobs:
+        parts.append("<h2>Jobs</h2>" + _table(
+            ["job", "id", "state", "nodes", "elapsed", "ran in"],
+            [[j.get("name"), j.get("id"), j.get("state"), j.get("nodes"), j.get("elapsed"),
+              _ran_in(results, j.get("id"))] for j in jobs], "jobs"))
+    elif results.ran_in:
+        parts.append("<h2>Jobs</h2>" + _table(
+            ["job", "ran in"], [[k, v] for k, v in sorted(results.ran_in.items())], "jobs"))
+    pins = results.workflow.get("pins", {})
+    if pins:
+        parts.append("<h2>Pinned images</h2>" + _table(
+            ["what", "value"], [[k, v] for k, v in pins.items()], "pins"))
+        pinned = str(pins.get("digest", ""))
+        other = {name: image for name, image in results.ran_in.items()
+                 if pinned and image.startswith("sha256:") and image != pinned}
+        for name, image in sorted(other.items()):
+            parts.append(f"<p class='fail image-mismatch'>{html.escape(name)} ran in "
+                         f"{html.escape(image)}, not the pinned {html.escape(pinned)}: its "
+                         "curves and exports are that image's</p>")
+    if results.exports:
+        parts.append("<h2>Exported models</h2>" + _table(
+            ["folder", "layout", "phase", "step", "loss", "image"],
+            [[str(path), m.get("layout"), m.get("phase"), m.get("step"), m.get("loss"),
+              m.get("image_digest") or m.get("image")] for path, m in results.exports],
+            "exports"))
+    if results.fill_mask:
+        rows = [[item.get("masked"), ", ".join(
+            f"{p.get('token')} ({float(p.get('score', 0)):.3f})"
+            for p in item.get("predictions", []))] for item in results.fill_mask]
+        parts.append("<h2>Fill-mask (the exported model, transformers' pipeline)</h2>"
+                     + _table(["sentence", "top predictions"], rows, "fill-mask"))
+    return parts
 
 
 def write_report(folder: Path, output: Path | None = None, expected_busbw: float = 1.0
@@ -189,16 +258,7 @@ def write_report(folder: Path, output: Path | None = None, expected_busbw: float
         css = "pass" if n["verdict"] == "PASS" else "fail"
         parts.append(f"<h2>NCCL check</h2><p class='{css}' id='nccl-verdict'>"
                      f"{html.escape(n['line'])}</p>")
-    jobs = results.workflow.get("jobs", [])
-    if jobs:
-        parts.append("<h2>Jobs</h2>" + _table(
-            ["job", "id", "state", "nodes", "elapsed"],
-            [[j.get("name"), j.get("id"), j.get("state"), j.get("nodes"), j.get("elapsed")]
-             for j in jobs], "jobs"))
-    pins = results.workflow.get("pins", {})
-    if pins:
-        parts.append("<h2>Pinned images</h2>" + _table(
-            ["what", "value"], [[k, v] for k, v in pins.items()], "pins"))
+    parts += _provenance(results)
     parts.append("<h2>Plots</h2>" + "".join(_embedded(p) for p in plots))
     parts.append("</body></html>\n")
     page = out / "index.html"

@@ -5,6 +5,7 @@ headless Chromium the way a person opens it."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import socket
@@ -17,6 +18,7 @@ from bert_trainer.config import TINY
 from bert_trainer.synthetic import write_shards
 
 PRETRAIN = [sys.executable, "-m", "bert_trainer.pretrain"]
+OLD, NEW = "sha256:" + "1" * 64, "sha256:" + "2" * 64
 
 
 def _free_port() -> int:
@@ -39,6 +41,9 @@ def results(tmp_path_factory) -> Path:
     runs = [(1, 32, 5, 30, "bert-pretrain-11"), (1, 32, 5, 60, "bert-pretrain-12"),
             (2, 64, 8, 20, "bert-pretrain-13")]
     for phase, seq, pred, steps, job in runs:
+        # phase 1 ran in an older image than the one pinned now (a second demo after a
+        # change to the image keeps phase 1 "done in an earlier run")
+        image = OLD if phase == 1 else NEW
         extra = ["--phase2", f"--init_checkpoint={root / 'ckpt'}"] if phase == 2 else []
         done = subprocess.run(
             [*PRETRAIN, f"--input_dir={root / 'data' / f'phase{phase}'}",
@@ -47,7 +52,8 @@ def results(tmp_path_factory) -> Path:
              "--train_batch_size=16", "--learning_rate=2e-2", "--warmup_proportion=0.05",
              f"--max_steps={steps}", "--log_freq=5", "--resume_from_checkpoint",
              "--num_steps_per_checkpoint=30", f"--results_dir={out / job}", *extra],
-            capture_output=True, text=True, timeout=600)
+            capture_output=True, text=True, timeout=600,
+            env={**os.environ, "IMGPIPE_IMAGE_DIGEST": image, "IMGPIPE_IMAGE": "x@" + image})
         assert done.returncode == 0, done.stderr[-3000:]
     torchrun = Path(sys.executable).parent / "torchrun"
     bench = subprocess.run(
@@ -60,8 +66,27 @@ def results(tmp_path_factory) -> Path:
     (out / "workflow.json").write_text(json.dumps({
         "jobs": [{"name": "phase 1", "id": "12", "state": "COMPLETED", "nodes": "node[1-2]",
                   "elapsed": "00:00:41"}],
-        "pins": {"squashfs": "/images/imgpipe+bert+sha256-abc.sqsh"}}))
+        "pins": {"squashfs": "/images/imgpipe+bert+sha256-abc.sqsh", "digest": NEW}}))
+    # phase 2's model exported for Hugging Face, and what transformers' fill-mask makes of it
+    vocab = root / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+                               + [f"word{i}" for i in range(TINY.vocab_size - 5)]) + "\n")
+    exported = out / "bert-pretrain-13" / "export-hf"
+    for argv in (["bert_trainer.export", str(root / "ckpt"), "--to", "hf", "-o", str(exported),
+                  f"--vocab_file={vocab}"],
+                 ["bert_trainer.fillmask", str(exported), f"--corpus={corpus(root)}", "-o",
+                  str(out / "fill_mask.json")]):
+        done = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
     return out
+
+
+def corpus(root: Path) -> Path:
+    text = root / "corpus.txt"
+    text.write_text("".join(f"the word{i} and word{i + 1} met word{i + 2} by the river word{i}"
+                            " today\n" for i in range(5, 12)))
+    return text
 
 
 def test_report_plots_and_page(cli, results: Path, tmp_path: Path) -> None:
@@ -97,6 +122,16 @@ def test_report_plots_and_page(cli, results: Path, tmp_path: Path) -> None:
     assert '<table class="jobs">' in dom and "node[1-2]" in dom
     assert '<table class="pins">' in dom and "sha256-abc.sqsh" in dom
     assert 'id="nccl-verdict">PASS' in dom
+    # every job shows the image it ran in; none is shown as the pinned image's when it was not
+    jobs = re.search(r'<table class="jobs">(.*?)</table>', dom, re.S)
+    assert jobs and OLD in jobs.group(1)  # job 12, phase 1
+    mismatches = re.findall(r"<p class=\"fail image-mismatch\">(.*?)</p>", dom)
+    assert sorted(m.split(" ")[0] for m in mismatches) == ["bert-pretrain-11",
+                                                           "bert-pretrain-12"], mismatches
+    exports = re.search(r'<table class="exports">(.*?)</table>', dom, re.S)
+    assert exports and "export-hf" in exports.group(1) and NEW in exports.group(1)
+    fill = re.search(r'<table class="fill-mask">(.*?)</table>', dom, re.S)
+    assert fill and fill.group(1).count("[MASK]") >= 3, dom[-3000:]
 
 
 def test_report_of_an_empty_folder_is_a_one_line_error(cli, tmp_path: Path) -> None:

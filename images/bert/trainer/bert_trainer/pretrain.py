@@ -36,6 +36,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 EXIT_STOPPED = 3
@@ -185,6 +186,7 @@ def _train(args: argparse.Namespace, where) -> int:  # noqa: ANN001 - Placement
     from bert_trainer.metrics import JsonLog, Throughput, peak_tflops
     from bert_trainer.model import BertForPreTraining, count_parameters
     from bert_trainer.trainer import Trainer, default_precision
+    from bert_trainer.weights import initial_weights
 
     stop = StopRequest()
     distributed = where.world_size > 1
@@ -219,9 +221,16 @@ def _train(args: argparse.Namespace, where) -> int:  # noqa: ANN001 - Placement
         if args.init_checkpoint is None:
             raise checkpoint.CheckpointError(
                 "phase 2 starts from a phase 1 checkpoint: pass --init_checkpoint")
-        source = checkpoint.resolve_init(args.init_checkpoint)
-        model.load_state_dict(checkpoint.load(source)["model"])
-        initialized_from = str(source)
+        source = args.init_checkpoint
+        if source.is_dir() and not (source / "model.safetensors").is_file() \
+                and not (source / "bert_nvidia.pt").is_file():
+            source = checkpoint.resolve_init(source)  # phase 1's latest
+        weights, layout = initial_weights(source, config)
+        model.load_state_dict(weights)
+        initialized_from = str(source) if layout == "trainer" else f"{source} ({layout})"
+    # what the job ran in: run.sub exports the image it pinned (imgpipe's recipes)
+    image = os.environ.get("IMGPIPE_IMAGE") or None
+    image_digest = os.environ.get("IMGPIPE_IMAGE_DIGEST") or None
     trainer = Trainer(model, device, precision, args.learning_rate, args.warmup_proportion,
                       args.max_steps, args.gradient_accumulation_steps, distributed,
                       compile_model, args.weight_decay, args.max_grad_norm,
@@ -249,6 +258,7 @@ def _train(args: argparse.Namespace, where) -> int:  # noqa: ANN001 - Placement
     log.write({"event": "start", "phase": phase, "step": trainer.step_count,
                "resumed_from": str(resume) if resume else None,
                "init_checkpoint": initialized_from, "world_size": world,
+               "image": image, "image_digest": image_digest,
                "device": torch.cuda.get_device_name(device) if use_cuda else "cpu",
                "precision": precision, "compile": compile_model,
                "parameters": count_parameters(model), "global_batch": global_batch,
@@ -268,7 +278,8 @@ def _train(args: argparse.Namespace, where) -> int:  # noqa: ANN001 - Placement
         if rank == 0:
             payload = {"format": checkpoint.FORMAT, "phase": phase, "step": trainer.step_count,
                        "world_size": world, "data": positions, "rng": rngs,
-                       **trainer.state_dict()}
+                       "config": asdict(config), "loss": last_loss, "image": image,
+                       "image_digest": image_digest, **trainer.state_dict()}
             written = checkpoint.save(ckpt_dir, trainer.step_count, payload,
                                       args.keep_checkpoints)
         if distributed:  # no rank leaves (or exits) before the file is complete
@@ -276,6 +287,7 @@ def _train(args: argparse.Namespace, where) -> int:  # noqa: ANN001 - Placement
         return written
 
     last_position = start
+    last_loss: float | None = None  # the last logged loss, kept in each checkpoint
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, correct, predicted, steps
     saved_at: Path | None = None
     started = time.perf_counter()
@@ -298,7 +310,8 @@ def _train(args: argparse.Namespace, where) -> int:  # noqa: ANN001 - Placement
                     dist.all_reduce(sums)
                 loss, correct, predicted, counted = sums.tolist()
                 sums.zero_()
-                record = {"event": "step", "step": step, "loss": round(loss / counted, 6),
+                last_loss = round(loss / counted, 6)
+                record = {"event": "step", "step": step, "loss": last_loss,
                           "mlm_accuracy": round(correct / max(predicted, 1), 4),
                           "learning_rate": learning_rate,
                           "grad_norm": round(float(trainer.optimizer.last_grad_norm), 6),
