@@ -174,6 +174,39 @@ def test_phase2_starts_from_phase1_with_a_fresh_schedule(shards, tiny_config,
     assert phase1["optimizer"]["param_groups"][0]["step"] == 30
 
 
+def test_phase2_starts_from_hugging_face_or_nvidia_weights_and_records_its_image(
+        shards, tiny_config, tmp_path) -> None:
+    """Phase 1 here, exported; phase 2 from the export in each layout: the weights arrive
+    (the first losses equal phase 1's last), and every log line, checkpoint and export says
+    which image the run was in."""
+    from bert_trainer.export import main as export
+
+    image = {"IMGPIPE_IMAGE": "head#imgpipe/bert@sha256:" + "c" * 64,
+             "IMGPIPE_IMAGE_DIGEST": "sha256:" + "c" * 64}
+    out = tmp_path / "ckpt"
+    first = pretrain(shards, tiny_config, out, "--max_steps=20", "--log_freq=20", env=image)
+    start = records(first.stdout, "start")[0]
+    assert start["image_digest"] == image["IMGPIPE_IMAGE_DIGEST"]
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("".join(f"{t}\n" for t in ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+                             + [f"t{i}" for i in range(5, TINY.vocab_size)]))
+    assert export([str(out), "--to", "hf", "-o", str(tmp_path / "hf"),
+                   f"--vocab_file={vocab}"]) == 0
+    assert export([str(out), "--to", "nvidia", "-o", str(tmp_path / "nv")]) == 0
+    meta = json.loads((tmp_path / "hf" / "imgpipe_export.json").read_text())
+    assert (meta["phase"], meta["step"], meta["image_digest"]) == (
+        1, 20, image["IMGPIPE_IMAGE_DIGEST"]) and meta["loss"] > 0
+    reference = pretrain(shards, tiny_config, tmp_path / "from-ckpt", "--max_steps=2",
+                         "--log_freq=1", "--phase2", f"--init_checkpoint={out}")
+    for source, layout in ((tmp_path / "hf", "hf"), (tmp_path / "nv" / "bert_nvidia.pt",
+                                                      "nvidia")):
+        result = pretrain(shards, tiny_config, tmp_path / f"from-{layout}", "--max_steps=2",
+                          "--log_freq=1", "--phase2", f"--init_checkpoint={source}")
+        assert records(result.stdout, "start")[0]["init_checkpoint"] == f"{source} ({layout})"
+        assert [s["loss"] for s in records(result.stdout)] == pytest.approx(
+            [s["loss"] for s in records(reference.stdout)], abs=1e-5)
+
+
 def test_phase2_without_a_phase1_checkpoint_is_refused(shards, tiny_config, tmp_path) -> None:
     result = pretrain(shards, tiny_config, tmp_path / "c", "--max_steps=5", "--phase2",
                       f"--init_checkpoint={tmp_path / 'nothing'}", check=False)

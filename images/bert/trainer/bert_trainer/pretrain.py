@@ -222,7 +222,7 @@ def _train(args: argparse.Namespace, where) -> int:  # noqa: ANN001 - Placement
             raise checkpoint.CheckpointError(
                 "phase 2 starts from a phase 1 checkpoint: pass --init_checkpoint")
         source = args.init_checkpoint
-        if source.is_dir() and not (source / "model.safetensors").is_file() \
+        if not source.is_file() and not (source / "model.safetensors").is_file() \
                 and not (source / "bert_nvidia.pt").is_file():
             source = checkpoint.resolve_init(source)  # phase 1's latest
         weights, layout = initial_weights(source, config)
