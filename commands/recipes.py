@@ -68,13 +68,13 @@ def pinned_digest(settings: Settings, pinned: Reference | SquashfsPath | str) ->
     return ""
 
 
-def platform_pins(settings: Settings, image: str, flavor: str, only: Platform | None = None
-                  ) -> dict[str, Reference | SquashfsPath]:
+def platform_pins(settings: Settings, image: str, flavor: str, only: Platform | None = None,
+                  progress: Progress | None = None) -> dict[str, Reference | SquashfsPath]:
     """An index build's pin per platform (its squashfs file when converted here, else the
     platform's manifest digest), ``only`` one of them when given; empty for a one-manifest
     build (``pin`` serves it)."""
     known = catalog_image(settings, image)
-    entry = (find_pushed(settings, known, flavor).entry
+    entry = (find_pushed(settings, known, flavor, progress=progress).entry
              if known is not None and flavor in known.spec.flavors else None)
     if entry is None or not entry.platforms:
         if only is not None and entry is not None and only != host_platform():
@@ -155,7 +155,7 @@ def render_recipes(settings: Settings, profile: Profile, nodes: int, runtime: Ru
                           hint="pass --flavor ngc (or --flavor cpu to mean it), or set "
                           "default_flavor: ngc in imgpipe.yaml")
     flavor = flavor or settings.default_flavor
-    per_platform = {} if image else platform_pins(settings, "bert", flavor, platform)
+    per_platform = {} if image else platform_pins(settings, "bert", flavor, platform, progress)
     pinned = image or next(iter(per_platform.values()), None) or pin(
         settings, "bert", flavor, progress=progress) or ""  # never empty
     for each in [pinned, *per_platform.values()]:
