@@ -193,6 +193,25 @@ def test_phase2_starts_from_hugging_face_or_nvidia_weights_and_records_its_image
     assert export([str(out), "--to", "hf", "-o", str(tmp_path / "hf"),
                    f"--vocab_file={vocab}"]) == 0
     assert export([str(out), "--to", "nvidia", "-o", str(tmp_path / "nv")]) == 0
+    # the trained model, as transformers loads it, gives the trainer's logits (padded batch)
+    import transformers
+
+    theirs = transformers.BertForPreTraining.from_pretrained(tmp_path / "hf").eval()
+    ours = BertForPreTraining(TINY).eval()
+    ours.load_state_dict(checkpoint.load(out / "phase1" / "ckpt_20.pt")["model"])
+    ids = torch.randint(5, TINY.vocab_size, (4, SEQ), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, SEQ // 2:] = 0
+    ids[mask == 0] = 0
+    types = (torch.arange(SEQ) >= SEQ // 3).long().expand(4, -1)
+    positions = torch.tensor([[1, 2, 3]] * 4)
+    with torch.no_grad():
+        mlm, nsp = ours(ids, types, mask, positions)
+        hf = theirs(input_ids=ids, attention_mask=mask, token_type_ids=types)
+    at = torch.gather(hf.prediction_logits, 1, positions.unsqueeze(-1).expand(-1, -1,
+                                                                              TINY.vocab_size))
+    torch.testing.assert_close(at, mlm[..., :TINY.vocab_size], atol=1e-5, rtol=0)
+    torch.testing.assert_close(hf.seq_relationship_logits, nsp, atol=1e-5, rtol=0)
     meta = json.loads((tmp_path / "hf" / "imgpipe_export.json").read_text())
     assert (meta["phase"], meta["step"], meta["image_digest"]) == (
         1, 20, image["IMGPIPE_IMAGE_DIGEST"]) and meta["loss"] > 0
