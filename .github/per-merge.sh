@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the images workflow runs on every merge, as the runner's own user: no apt, no root
-# (the docker group is enough).  An admin set the runner up once (README, "CI on a head
+# (the docker group is enough).  An admin set the runner up once (docs/images.md, "CI on a head
 # node"): the packages, the runner user in the docker group, a venv with imgpipe's
 # dependencies at $IMGPIPE_VENV that the runner user owns, and the site's imgpipe.yaml.
 #
@@ -13,7 +13,7 @@
 set -euo pipefail
 flavor=${1:-ngc}
 cd "$(dirname "$0")/.."
-: "${IMGPIPE_VENV:?set IMGPIPE_VENV to the runner venv (README: CI on a head node)}"
+: "${IMGPIPE_VENV:?set IMGPIPE_VENV to the runner venv (docs/images.md: CI on a head node)}"
 : "${IMGPIPE_SITE_CONFIG:?set IMGPIPE_SITE_CONFIG to the site imgpipe.yaml}"
 if [ "$(id -u)" -eq 0 ]; then
   echo "per-merge: run this as the runner's user, not root" >&2

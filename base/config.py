@@ -125,7 +125,7 @@ class EnrootConfig(_Strict):
 
     # None: by how nodes start jobs.  Unpacking (Pyxis's default) wants the smallest file:
     # zstd.  Mounting (use_squashfuse=1) reads through FUSE on every start: lz4 reads 1.7x
-    # faster than zstd for 1.4x the size (bench/bench_squashfuse.py; README).
+    # faster than zstd for 1.4x the size (bench/bench_squashfuse.py; bench/README.md).
     compression: Literal["zstd", "lz4", "lzo-enroot", "none"] | None = None
     squashfuse: bool = Field(default=False, description="nodes run Pyxis with "
                              "use_squashfuse=1 (jobs mount squashfs files, never unpack)")

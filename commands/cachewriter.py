@@ -64,7 +64,7 @@ def write_shared(settings: Settings, argument: str,
     if not cache.trust.is_admin:
         raise ConvertError(f"imgpipe-cache-writer runs as {cache.trust.admin_names()} only, "
                            f"not as {user_name(cache.trust.me)}",
-                           hint="run it through the sudoers line README 'Threat model' shows")
+                           hint="run it through the sudoers line docs/threat-model.md shows")
     ref = Reference(settings.registry.address, match["repository"], tag=None,
                     digest=match["digest"])
     enroot = settings.enroot

@@ -44,7 +44,7 @@ STEPS = {1: 900, 2: 300}
 # warm-up): at 0.01 with 5 % warm-up its loss halves in 900 steps (8.3 -> 3.7).  Phase 2
 # starts higher (positions 129-512 were never trained) and needs a few hundred steps of its
 # own: with 16 sequences a step at 0.006 it ends near 3.9 in 300 (8 sequences at the profile's
-# 0.004: 3.9-4.1 after 400, noisier and no faster).  Measured, 4 ranks on 2 cores, README.
+# 0.004: 3.9-4.1 after 400, noisier and no faster).  Measured, 4 ranks on 2 cores, docs/demo.md.
 # EXPORT=hf: phase 2's model leaves as a Hugging Face folder (RESULTS/<job>/export-hf).
 PHASE_OVERRIDES = {1: "LR=0.01 WARMUP_PROPORTION=0.05", 2: "BATCHSIZE=4 LR=0.006 EXPORT=hf"}
 CORPUS_MB = 0.3

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,12 +83,19 @@ def detect_enroot(enroot: str | None = None) -> Version | None:
     binary = enroot or shutil.which("enroot")
     if binary is None:
         return None
-    try:
-        done = run([binary, "version"], check=False, timeout=20, what="enroot version")
-        return parse_version(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 \
-            else None
-    except (ImgpipeError, ValueError, IndexError):
-        return None
+    # Enroot makes its cache, data and runtime folders on every command: asking its version
+    # must leave nothing in the user's home (a head node with real Enroot), so they point at
+    # a scratch folder that goes away.
+    with tempfile.TemporaryDirectory(prefix="imgpipe-enroot-probe-") as scratch:
+        places = {name: f"{scratch}/{name.split('_')[1].lower()}" for name in
+                  ("ENROOT_RUNTIME_PATH", "ENROOT_CACHE_PATH", "ENROOT_DATA_PATH")}
+        try:
+            done = run([binary, "version"], check=False, timeout=20, what="enroot version",
+                       env=places)
+            return parse_version(done.stdout.strip().splitlines()[-1]) \
+                if done.returncode == 0 else None
+        except (ImgpipeError, ValueError, IndexError):
+            return None
 
 
 def nodes_enroot(settings: Settings) -> tuple[Version | None, str]:

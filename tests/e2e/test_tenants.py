@@ -1,4 +1,4 @@
-"""The threat model (README "Threat model") played with real accounts on the sandbox cluster.
+"""The threat model (docs/threat-model.md) played with real accounts on the sandbox cluster.
 
 Three job users (alice, bob, carol) share one squashfs cache that root set up with
 `imgpipe node-config --make-cache`; bob is the hostile one.  A fourth account, the pusher,

@@ -81,3 +81,29 @@ def test_doctor_reports_the_enroot_version_and_what_follows(cli: CliRun, enroot_
     enroot_on_path(version)
     check = check_enroot(load_settings(cli.write_config({})))
     assert check.verdict == status and words in check.detail, check
+
+
+def test_asking_enroot_its_version_leaves_nothing_in_home(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """Enroot makes its runtime, cache and data folders (default under the user's home) on
+    every command, `version` too: the probe points them at a scratch folder it removes, so a
+    head node with real Enroot keeps no ~/.cache/enroot from `recipes render` or `doctor`."""
+    from imgpipe.enroot.nodeconfig import detect_enroot
+
+    home = tmp_path / "home"
+    home.mkdir()
+    seen = tmp_path / "seen"
+    script = tmp_path / "enroot"
+    script.write_text(  # makes its folders as Enroot's start-up does, with its defaults
+        "#!/bin/sh\n"
+        'for d in "${ENROOT_RUNTIME_PATH:-$HOME/.run/enroot}" '
+        '"${ENROOT_CACHE_PATH:-$HOME/.cache/enroot}" "${ENROOT_DATA_PATH:-$HOME/.local/share/'
+        'enroot}"; do mkdir -p "$d" && echo "$d" >> ' + str(seen) + "; done\n"
+        "echo 4.1.2\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("HOME", str(home))
+    assert detect_enroot(str(script)) == (4, 1, 2)
+    made = seen.read_text().split()
+    assert len(made) == 3 and not any(Path(d).exists() for d in made)
+    assert list(home.iterdir()) == []

@@ -1,0 +1,31 @@
+"""The newcomer's page and the documentation site: the README stays a page, and docs/ builds
+with MkDocs' strict mode (a broken link or a page left out of the navigation fails)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_readme_is_a_page_that_starts_with_the_two_commands() -> None:
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) < 250, len(lines)
+    assert lines[2:6] == ["```sh", lines[3], lines[4], "```"]
+    assert lines[3].startswith("./setup.sh demo ") and lines[4].startswith("./setup.sh test ")
+    for line in lines:  # every page it sends a reader to is there
+        for target in (part.split(")")[0] for part in line.split("](")[1:]):
+            assert (ROOT / target).is_file(), target
+
+
+def test_the_docs_build_strictly(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",
+                           str(ROOT / "mkdocs.yml"), "--site-dir", str(tmp_path / "site")],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    pages = {p.parent.name for p in (tmp_path / "site").glob("*/index.html")}
+    assert {"threat-model", "images", "trainer", "squashfs"} <= pages
