@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -218,3 +219,26 @@ def _ids(user: str) -> tuple[int, int]:
 
     entry = pwd.getpwnam(user)
     return entry.pw_uid, entry.pw_gid
+
+
+def test_a_platform_named_in_build_builders_is_built_and_pushed_by_that_engine(
+        pushed, tmp_path: Path) -> None:
+    """build.builders names the engine that builds a platform (a Grace host's, over ssh or
+    tcp); here this machine's own engine stands in for it through its socket address, so
+    the build goes through that DOCKER_HOST and the push comes from it."""
+    project = pushed["project"]
+    config = yaml.safe_load((project / "imgpipe.yaml").read_text())
+    socket_host = "unix:///var/run/docker.sock"
+    other = tmp_path / "project"
+    shutil.copytree(project / "images", other / "images")
+    (other / "images" / "bert" / "hello.txt").write_text("built by the named engine\n")
+    (other / "imgpipe.yaml").write_text(yaml.safe_dump(
+        {**config, "build": {"builders": {"linux/arm64": socket_host}}}))
+    doctor = imgpipe(other, "doctor")
+    assert f"native builder {socket_host}" in doctor.stdout, doctor.stdout
+    built = ok(other, "build", "bert")
+    assert f"bert/cpu for linux/arm64 (native builder {socket_host})" in built, built
+    ok(other, "push", "bert")
+    entry = json.loads((other / "imgpipe.lock").read_text())["images"]["bert"]["cpu"]
+    assert set(entry["platforms"]) == {"linux/amd64", "linux/arm64"}
+    assert entry["digest"] != pushed["entry"]["digest"]  # new bytes, a new index
