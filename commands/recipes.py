@@ -15,6 +15,7 @@ from imgpipe.commands.wiring import registry_client, registry_credentials
 from imgpipe.enroot.nodeconfig import nodes_enroot, takes_digests
 from imgpipe.enroot.pins import PINS_ENV, pins_text
 from imgpipe.enroot.published import find_published
+from imgpipe.enroot.storage import converted_digest
 from imgpipe.pipeline.lock import LockEntry, PlatformPin, lock_path, read_lock
 from imgpipe.recipes.profiles import Profile, load_profile
 from imgpipe.recipes.render import Bundle, RecipeInputs, render_bundle
@@ -65,7 +66,8 @@ def pinned_digest(settings: Settings, pinned: Reference | SquashfsPath | str) ->
             for held in holders:
                 if held.squashfs and held.squashfs == str(pinned):
                     return held.digest
-    return ""
+    # a conversion of imgpipe's cache names the manifest it was made from
+    return converted_digest(Path(str(pinned)).name) or ""
 
 
 def platform_pins(settings: Settings, image: str, flavor: str, only: Platform | None = None,

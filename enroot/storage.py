@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import shutil
 import socket
 import stat
@@ -363,6 +364,12 @@ class Storage:
 def conversion_stem(repository: str, digest: str, compression: str) -> str:
     return (f"{repository.replace('/', '+')}+sha256-{digest_hex(digest)}"
             f"+{compression}-f{FORMAT}")
+
+
+def converted_digest(name: str) -> str | None:
+    """The image manifest digest a conversion's file name (``conversion_stem``) carries."""
+    match = re.search(r"\+sha256-([0-9a-f]{64})\+[a-z0-9-]+-f\d+(?:\.u\d+)?\.sqsh$", name)
+    return f"sha256:{match.group(1)}" if match else None
 
 
 def fetched_stem(repository: str, blob: str) -> str:

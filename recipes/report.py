@@ -14,6 +14,7 @@ import base64
 import contextlib
 import html
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -138,9 +139,24 @@ def _embedded(path: Path) -> str:
             "</figcaption></figure>")
 
 
+@dataclass(frozen=True)
+class Link:
+    """A table cell that links to ``href`` (a path relative to the page)."""
+
+    text: str
+    href: str
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, Link):
+        return (f'<a href="{html.escape(value.href, quote=True)}">'
+                f"{html.escape(value.text)}</a>")
+    return html.escape(str(value))
+
+
 def _table(headers: list[str], rows: list[list[Any]], css: str) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>"
+    body = "".join("<tr>" + "".join(f"<td>{_cell(c)}</td>" for c in row) + "</tr>"
                    for row in rows)
     return f'<table class="{css}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
@@ -183,7 +199,7 @@ def _ran_in(results: Results, job_id: object) -> str:
                  if name.rsplit("-", 1)[-1] == str(job_id)), "")
 
 
-def _provenance(results: Results) -> list[str]:
+def _provenance(results: Results, page_dir: Path) -> list[str]:
     """Jobs with the image each ran in, the pinned images (and any job that ran in another),
     the exported models and what they predict: results are never shown beside an image
     that did not produce them."""
@@ -211,7 +227,8 @@ def _provenance(results: Results) -> list[str]:
     if results.exports:
         parts.append("<h2>Exported models</h2>" + _table(
             ["folder", "layout", "phase", "step", "loss", "image"],
-            [[str(path), m.get("layout"), m.get("phase"), m.get("step"), m.get("loss"),
+            [[Link(str(path), os.path.relpath(path / EXPORT_METADATA, page_dir)),
+              m.get("layout"), m.get("phase"), m.get("step"), m.get("loss"),
               m.get("image_digest") or m.get("image")] for path, m in results.exports],
             "exports"))
     if results.fill_mask:
@@ -258,7 +275,7 @@ def write_report(folder: Path, output: Path | None = None, expected_busbw: float
         css = "pass" if n["verdict"] == "PASS" else "fail"
         parts.append(f"<h2>NCCL check</h2><p class='{css}' id='nccl-verdict'>"
                      f"{html.escape(n['line'])}</p>")
-    parts += _provenance(results)
+    parts += _provenance(results, out)
     parts.append("<h2>Plots</h2>" + "".join(_embedded(p) for p in plots))
     parts.append("</body></html>\n")
     page = out / "index.html"

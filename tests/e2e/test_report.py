@@ -130,6 +130,7 @@ def test_report_plots_and_page(cli, results: Path, tmp_path: Path) -> None:
                                                            "bert-pretrain-12"], mismatches
     exports = re.search(r'<table class="exports">(.*?)</table>', dom, re.S)
     assert exports and "export-hf" in exports.group(1) and NEW in exports.group(1)
+    assert re.search(r'<a href="[^"]*export-hf/imgpipe_export.json">', exports.group(1))
     fill = re.search(r'<table class="fill-mask">(.*?)</table>', dom, re.S)
     assert fill and fill.group(1).count("[MASK]") >= 3, dom[-3000:]
 

@@ -161,3 +161,32 @@ def test_an_emulated_sandbox_host_tells_its_tasks_their_platform(tmp_path: Path)
     assert told("node2") == "export IMGPIPE_PLATFORM=linux/arm64\n"
     assert told("node1") == ""
     assert write_platform_prolog(tmp_path, {}) is None and not prolog.exists()
+
+
+def test_the_job_scripts_record_the_digest_of_the_image_they_picked(tmp_path: Path) -> None:
+    files = {p: _squashfs(tmp_path / f"{p.replace('/', '-')}.sqsh") for p in DIGEST}
+    render_bundle(RecipeInputs(load_profile("local"), 1, files["linux/amd64"],
+                               runtime="charliecloud", platform_images=dict(files),
+                               platform_digests=dict(DIGEST)), tmp_path / "bundle")
+    run_sub = (tmp_path / "bundle" / "run.sub").read_text()
+    start = run_sub.index("# One image per platform")
+    block = run_sub[start:run_sub.index("esac\n", start) + 5]
+    for platform, digest in DIGEST.items():
+        shown = subprocess.run(["bash", "-c", block + 'echo "$default_image_digest"'],
+                               env={"PATH": "/usr/bin:/bin", "IMGPIPE_PLATFORM": platform},
+                               capture_output=True, text=True).stdout.strip()
+        assert shown == digest
+    assert 'export IMGPIPE_IMAGE="$CONT" IMGPIPE_IMAGE_DIGEST="$image_digest"' in run_sub
+
+
+def test_a_conversion_pinned_by_its_path_still_names_its_digest(tmp_path: Path) -> None:
+    from imgpipe.base.config import Settings
+    from imgpipe.commands.recipes import pinned_digest
+
+    hexed = "ab" * 32
+    converted = _squashfs(tmp_path / f"imgpipe+bert+sha256-{hexed}+zstd-f2.sqsh")
+    assert pinned_digest(Settings(root=tmp_path), converted) == f"sha256:{hexed}"
+    typed = _squashfs(tmp_path / "mine.sqsh")
+    assert pinned_digest(Settings(root=tmp_path), typed) == ""
+    assert pinned_digest(Settings(root=tmp_path), f"head:5000/x@sha256:{hexed}") == \
+        f"sha256:{hexed}"
