@@ -10,15 +10,34 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from imgpipe.base.errors import ConfigError
 
 CONFIG_NAME = "imgpipe.yaml"
+
+
+RENAMED_ENROOT_KEYS = {"prebuilt": "published", "prebuilt_unpinned": "published_unpinned"}
+_SAID: set[str] = set()
+
+
+def deprecated(what: str) -> None:
+    """One line on stderr, once per process, for a spelling an earlier release used."""
+    if what not in _SAID:
+        _SAID.add(what)
+        print(f"imgpipe: deprecated: {what}; the old name is still read", file=sys.stderr)
 
 
 class _Strict(BaseModel):
@@ -143,16 +162,30 @@ class EnrootConfig(_Strict):
                                  "parallel by a conversion (Enroot's ENROOT_MAX_CONNECTIONS)")
     cache_max_size: str | None = Field(default=None, description="prune the shared cache "
                                        "to this size (e.g. 500G) after each conversion")
-    prebuilt: bool = Field(default=True, description="fetch a squashfs published beside "
-                           "the image (imgpipe push --squashfs) when a pin names it, instead "
-                           "of converting; false: always convert (--no-prebuilt)")
-    prebuilt_unpinned: bool = Field(default=False, description="also use a published squashfs "
-                                    "no pin names: this trusts every account that can push "
-                                    "to the registry (and, over plain http, the network) to "
-                                    "attach only genuine squashfs files; the file is still "
-                                    "checked for device nodes and for set-id files the "
-                                    "image's layers lack.  In a shared cache it opts in for "
-                                    "your own jobs only: others never receive what it fetched")
+    published: bool = Field(default=True, description="fetch a squashfs published beside "
+                            "the image (imgpipe push --squashfs) when a pin names it, instead "
+                            "of converting; false: always convert (--no-published)")
+    published_unpinned: bool = Field(default=False, description="also use a published "
+                                     "squashfs no pin names: this trusts every account that "
+                                     "can push to the registry (and, over plain http, the "
+                                     "network) to attach only genuine squashfs files; the file "
+                                     "is still checked for device nodes and for set-id files "
+                                     "the image's layers lack.  In a shared cache it opts in "
+                                     "for your own jobs only: others never receive what it "
+                                     "fetched")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, values: object) -> object:
+        """Keys of earlier releases still read, each with a one-line notice."""
+        if isinstance(values, dict):
+            for old, new in RENAMED_ENROOT_KEYS.items():
+                if old in values:
+                    deprecated(f"enroot.{old} is now enroot.{new}")
+                    values = {**{k: v for k, v in values.items() if k != old},
+                              new: values[old], **({new: values[new]} if new in values
+                                                   else {})}
+        return values
     cache_owner: str | None = Field(default=None, description="the service account that, with "
                                     "root, owns the shared squashfs folder's layout and writes "
                                     "the entries every user's jobs take as they are (`imgpipe "

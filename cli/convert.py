@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from imgpipe.base.config import deprecated
 from imgpipe.base.platforms import Platform
 from imgpipe.base.progress import Progress, choose_mode
 from imgpipe.base.units import human_bytes
@@ -29,8 +30,8 @@ COMPRESSION = click.Choice(["zstd", "lz4", "lzo-enroot", "none"])
 
 
 def _lines(conversion: Conversion) -> list[str]:
-    verb = (f"fetched published squashfs {conversion.prebuilt[:19]} in "
-            f"{conversion.seconds:.1f} s" if conversion.prebuilt
+    verb = (f"fetched published squashfs {conversion.published[:19]} in "
+            f"{conversion.seconds:.1f} s" if conversion.published
             else f"converted in {conversion.seconds:.1f} s" if conversion.converted
             else "already converted")
     return [f"{conversion.reference}: {verb}",
@@ -46,17 +47,19 @@ def _lines(conversion: Conversion) -> list[str]:
               "kernels older than 4.14) or none.  Default: image.yaml, then imgpipe.yaml.")
 @click.option("--with-enroot", is_flag=True,
               help="Let `enroot import` do the conversion, under the same cache and lock.")
-@click.option("--no-prebuilt", is_flag=True,
+@click.option("--no-published", is_flag=True,
               help="Convert even when a pinned squashfs is published beside the image "
-              "(as enroot.prebuilt: false does for every command).")
+              "(as enroot.published: false does for every command).")
+@click.option("--no-prebuilt", "no_prebuilt", is_flag=True, hidden=True,
+              help="The earlier name of --no-published.")
 @click.option("--platform", "platform", default=None, metavar="OS/ARCH",
               help="Which platform's manifest of an index (linux/arm64 on an x86 head node: "
               "nothing of the target runs).  Default: this node's (IMGPIPE_PLATFORM, else "
               "uname -m).")
 @reporting
 def convert_command(ctx: click.Context, target: str, flavor: str | None,
-                    compression: str | None, with_enroot: bool, no_prebuilt: bool,
-                    platform: str | None) -> Result:
+                    compression: str | None, with_enroot: bool, no_published: bool,
+                    no_prebuilt: bool, platform: str | None) -> Result:
     """Convert an image into a squashfs file in outputs.squashfs_dir, once per digest.
 
     IMAGE is a catalog name (its digest is taken from imgpipe.lock, and the lock
@@ -67,7 +70,7 @@ def convert_command(ctx: click.Context, target: str, flavor: str | None,
     A squashfs published beside the image (imgpipe push --squashfs) is fetched
     instead of converting when its digest is pinned: by imgpipe.lock, by
     IMGPIPE_SQUASHFS_PINS ("IMAGE_DIGEST=SQUASHFS_DIGEST ..."), or by
-    `imgpipe verify`.  Unpinned ones are used only with enroot.prebuilt_unpinned.
+    `imgpipe verify`.  Unpinned ones are used only with enroot.published_unpinned.
 
     \b
     Examples:
@@ -75,17 +78,20 @@ def convert_command(ctx: click.Context, target: str, flavor: str | None,
       imgpipe convert bert --platform linux/arm64
       imgpipe convert 127.0.0.1:5000/imgpipe/bert:latest-cpu --compression lz4
     """
+    if no_prebuilt:
+        deprecated("--no-prebuilt is now --no-published")
+        no_published = True
     settings = settings_of(ctx)
     progress = Progress(choose_mode(invocation(ctx).json))
     conversion = convert_and_record(settings, target, flavor or settings.default_flavor,
-                                    compression, with_enroot, progress, no_prebuilt,
+                                    compression, with_enroot, progress, no_published,
                                     Platform.parse(platform) if platform else None)
     return Result({"reference": conversion.reference, "digest": conversion.digest,
                    "squashfs": conversion.path, "converted": conversion.converted,
                    "seconds": round(conversion.seconds, 3), "size": conversion.size,
                    "compression": conversion.compression,
                    "fetched_bytes": conversion.fetched_bytes, "entries": conversion.entries,
-                   "prebuilt": conversion.prebuilt,
+                   "published": conversion.published,
                    "layers": conversion.layers}, _lines(conversion))
 
 

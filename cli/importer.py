@@ -243,7 +243,7 @@ def get(uri: str) -> Path:
     from imgpipe.base.config import load_settings
     from imgpipe.commands.wiring import registry_client, storage
     from imgpipe.enroot.convert import convert, require_served
-    from imgpipe.enroot.prebuilt import Prebuilt
+    from imgpipe.enroot.publishedpolicy import PublishedPolicy
     from imgpipe.enroot.squash import SquashOptions, compression_of
     from imgpipe.registry.reference import Reference
 
@@ -262,7 +262,7 @@ def get(uri: str) -> Path:
                       enroot.processors, enroot.verify_diff_ids),
         say=_say,
         connections=enroot.max_connections,
-        prebuilt=Prebuilt(enroot.prebuilt, unpinned=enroot.prebuilt_unpinned))
+        published=PublishedPolicy(enroot.published, unpinned=enroot.published_unpinned))
     if conversion.converted and enroot.cache_max_size:
         from imgpipe.base.units import parse_size
         from imgpipe.enroot.usage import prune

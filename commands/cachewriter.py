@@ -35,7 +35,7 @@ from imgpipe.commands.wiring import registry_client, squash_options, storage
 from imgpipe.enroot.convert import convert, resolve_digest
 from imgpipe.enroot.errors import ConvertError
 from imgpipe.enroot.pins import PINS_ENV
-from imgpipe.enroot.prebuilt import Prebuilt
+from imgpipe.enroot.publishedpolicy import PublishedPolicy
 from imgpipe.enroot.trust import shown, user_name
 from imgpipe.registry.reference import Reference
 
@@ -71,7 +71,8 @@ def write_shared(settings: Settings, argument: str,
     started = time.monotonic()
     done = convert(registry_client(settings), cache, ref, squash_options(settings), say,
                    connections=enroot.max_connections,
-                   prebuilt=Prebuilt(enroot.prebuilt, frozenset(), enroot.prebuilt_unpinned))
+                   published=PublishedPolicy(enroot.published, frozenset(),
+                                             enroot.published_unpinned))
     return Written(done.path, done.converted, time.monotonic() - started)
 
 

@@ -11,7 +11,7 @@ from imgpipe.base.units import parse_size
 from imgpipe.commands.pushed import require_pushed
 from imgpipe.commands.wiring import registry_client, squash_options, storage
 from imgpipe.enroot.convert import Conversion, convert
-from imgpipe.enroot.prebuilt import Prebuilt
+from imgpipe.enroot.publishedpolicy import PublishedPolicy
 from imgpipe.enroot.usage import prune
 from imgpipe.pipeline.catalog import load_catalog
 from imgpipe.pipeline.lock import LockEntry, PlatformPin, lock_path, updating_lock
@@ -19,11 +19,11 @@ from imgpipe.registry.reference import Reference
 
 
 def convert_and_record(settings: Settings, target: str, flavor: str, compression: str | None,
-                       with_enroot: bool, progress: Progress, no_prebuilt: bool = False,
+                       with_enroot: bool, progress: Progress, no_published: bool = False,
                        platform: Platform | None = None) -> Conversion:
     """Convert an image of the catalog (its pushed digest: imgpipe.lock, else the registry)
     or any reference; a published squashfs that imgpipe.lock (or IMGPIPE_SQUASHFS_PINS)
-    pins is fetched instead, unless ``no_prebuilt`` or enroot.prebuilt is false."""
+    pins is fetched instead, unless ``no_published`` or enroot.published is false."""
     is_name = "/" not in target and ":" not in target and "@" not in target
     catalog = (load_catalog(settings)
                if is_name and settings.path(settings.images_dir).is_dir() else {})
@@ -42,12 +42,12 @@ def convert_and_record(settings: Settings, target: str, flavor: str, compression
     else:
         ref = Reference.parse(target, default_registry=settings.registry.address)
         options = squash_options(settings, None, compression)
-    prebuilt = Prebuilt(settings.enroot.prebuilt and not no_prebuilt, pins,
-                        settings.enroot.prebuilt_unpinned)
+    published = PublishedPolicy(settings.enroot.published and not no_published, pins,
+                        settings.enroot.published_unpinned)
     conversion = convert(registry_client(settings), storage(settings), ref, options,
                          say=progress.step, with_enroot=with_enroot,
                          connections=settings.enroot.max_connections, count=progress.transfer,
-                         prebuilt=prebuilt, platform=platform)
+                         published=published, platform=platform)
     progress.done()
     if conversion.converted and settings.enroot.cache_max_size:
         pruned = prune(storage(settings), max_size=parse_size(settings.enroot.cache_max_size))

@@ -84,7 +84,7 @@ def _convert_for_publish(settings: Settings, cache: Storage, ref: Reference, com
                          platform=platform)
     progress.done()
     blob = "sha256:" + file_sha256(conversion.path)
-    if conversion.prebuilt is not None and conversion.prebuilt != blob:
+    if conversion.published is not None and conversion.published != blob:
         raise VerifyError(f"the cached squashfs of {ref} is not the one fetched")
     return blob, conversion
 

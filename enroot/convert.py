@@ -34,7 +34,7 @@ from imgpipe.enroot.flatten import write_stream, write_tree
 from imgpipe.enroot.layerstream import LayerSource
 from imgpipe.enroot.merge import LayerCounts, MergedView, merge
 from imgpipe.enroot.onepass import TwoPassesNeeded, write_stream_once
-from imgpipe.enroot.prebuilt import Prebuilt, try_prebuilt
+from imgpipe.enroot.publishedpolicy import PublishedPolicy, fetch_trusted
 from imgpipe.enroot.rcfiles import rc_files
 from imgpipe.enroot.sources import Arrivals, layer_sources
 from imgpipe.enroot.squash import SquashOptions, squash_stream, squash_tree
@@ -56,7 +56,7 @@ class Conversion:
     fetched_bytes: int = 0
     entries: int = 0
     layers: list[LayerCounts] = field(default_factory=list)
-    prebuilt: str | None = None  # the published squashfs fetched instead of converting
+    published: str | None = None  # the published squashfs fetched instead of converting
 
     @property
     def pinned(self) -> Reference:
@@ -87,12 +87,12 @@ class _Target:
     count: Counter = field(default=lambda what, total: lambda n: None)
 
     def result(self, converted: bool, fetched_bytes: int = 0, entries: int = 0,
-               layers: list[LayerCounts] | None = None, prebuilt: str | None = None
+               layers: list[LayerCounts] | None = None, published: str | None = None
                ) -> Conversion:
         return Conversion(str(self.ref), self.digest, self.final, converted,
                           time.monotonic() - self.started, self.final.stat().st_size,
                           self.options.compression, fetched_bytes, entries, layers or [],
-                          prebuilt)
+                          published)
 
 
 def require_served(ref: Reference, address: str) -> None:
@@ -126,12 +126,12 @@ def convert(client: RegistryClient, storage: Storage, ref: Reference,
             options: SquashOptions | None = None,
             say: Callable[[str], None] = lambda _: None,
             with_enroot: bool = False, connections: int = MAX_CONNECTIONS,
-            count: Counter | None = None, prebuilt: Prebuilt | None = None,
+            count: Counter | None = None, published: PublishedPolicy | None = None,
             platform: Platform | None = None) -> Conversion:
     """Make sure the squashfs of ``ref`` exists and return where it is; layers are fetched
     over ``connections`` parallel requests (enroot.max_connections).  ``count`` makes a
-    byte counter for the fetch and the squash (a progress display's).  ``prebuilt``: a
-    published squashfs the policy trusts is fetched instead (enroot.prebuilt).
+    byte counter for the fetch and the squash (a progress display's).  ``published``: a
+    published squashfs the policy trusts is fetched instead (enroot.published).
 
     Raises ConvertError (or RegistryError, HostileLayerError) on failure; the
     shared directory then holds no new file.
@@ -143,7 +143,7 @@ def convert(client: RegistryClient, storage: Storage, ref: Reference,
     swept = storage.sweep()
     if swept:
         say(f"removed {swept} leftover(s) of interrupted runs")
-    policy = prebuilt.pinned_for(ref.digest) if prebuilt and ref.digest else prebuilt
+    policy = published.pinned_for(ref.digest) if published and ref.digest else published
     if ref.digest:  # pinned: no network needed when it was converted (or fetched) before
         existing = storage.find_squashfs(ref.repository, ref.digest, options.compression,
                                          _pins(policy), say)
@@ -152,7 +152,7 @@ def convert(client: RegistryClient, storage: Storage, ref: Reference,
                               time.monotonic() - started, existing.stat().st_size,
                               options.compression)
     digest = resolve_digest(client, ref, platform)
-    policy = prebuilt.pinned_for(digest) if prebuilt else None
+    policy = published.pinned_for(digest) if published else None
     target = _Target(ref, digest, storage.squashfs(ref.repository, digest, options.compression),
                      options, say, started, *([count] if count else []))
 
@@ -172,7 +172,7 @@ def convert(client: RegistryClient, storage: Storage, ref: Reference,
         if with_enroot:
             return _convert_with_enroot(client, target)
         if policy is not None and policy.use:
-            fetched = _fetch_prebuilt(client, storage, target, policy, connections)
+            fetched = _fetch_published(client, storage, target, policy, connections)
             if fetched is not None:
                 return fetched
         if (done := found(conversions=True)) is not None:  # pinned, and none to fetch
@@ -180,7 +180,7 @@ def convert(client: RegistryClient, storage: Storage, ref: Reference,
         return _convert_locked(client, storage, target, connections)
 
 
-def _pins(policy: Prebuilt | None) -> frozenset[str]:
+def _pins(policy: PublishedPolicy | None) -> frozenset[str]:
     """The squashfs digests a pinned lookup takes (none when published files are off)."""
     return policy.pins if policy is not None and policy.use else frozenset()
 
@@ -202,9 +202,9 @@ def convert_privately(client: RegistryClient, storage: Storage, ref: Reference,
         return _convert_locked(client, storage, target, connections)
 
 
-def _fetch_prebuilt(client: RegistryClient, storage: Storage, target: _Target,
-                    policy: Prebuilt, connections: int) -> Conversion | None:
-    """The published squashfs of the target, when the policy trusts one (enroot.prebuilt)."""
+def _fetch_published(client: RegistryClient, storage: Storage, target: _Target,
+                    policy: PublishedPolicy, connections: int) -> Conversion | None:
+    """The published squashfs of the target, when the policy trusts one (enroot.published)."""
     repository = target.ref.repository
 
     def layers_view() -> MergedView:
@@ -212,14 +212,14 @@ def _fetch_prebuilt(client: RegistryClient, storage: Storage, target: _Target,
                             connections=connections)
         return merge(layer_sources(image), rc_files(image.config))
 
-    fetched = try_prebuilt(client, storage, repository, target.digest,
+    fetched = fetch_trusted(client, storage, repository, target.digest,
                            target.options.compression, policy, layers_view, target.say,
                            lambda total: target.count(f"fetch squashfs {repository}", total))
     if fetched is None:
         return None
     return replace(target, final=fetched.path).result(
         converted=not fetched.cached, fetched_bytes=fetched.received, entries=fetched.entries,
-        prebuilt=fetched.published.blob)
+        published=fetched.published.blob)
 
 
 def _convert_with_enroot(client: RegistryClient, target: _Target) -> Conversion:

@@ -6,7 +6,7 @@ every cluster and node as one verified blob.  The artifact is an OCI image manif
 ``artifactType`` ARTIFACT_TYPE with the empty config, one layer (the squashfs file) and
 annotations saying what it is; it is listed in the image's referrers (registry.referrers).
 
-What a fetch may trust is decided by the caller (enroot.prebuilt): this module finds,
+What a fetch may trust is decided by the caller (enroot.published): this module finds,
 publishes, fetches and checks.
 """
 

@@ -167,7 +167,7 @@ def test_a_second_clone_verifies_then_fetches(origin: Path, published: dict, tmp
     assert "squash with" not in out + err
     lock = json.loads((second.folder / "imgpipe.lock").read_text())["images"]["hello"]["cpu"]
     assert lock["squashfs_sha256"] == published["pin"]
-    code, out, err = second("convert", "hello", "--no-prebuilt", "--compression", "lz4")
+    code, out, err = second("convert", "hello", "--no-published", "--compression", "lz4")
     assert code == 0 and "squash with lz4" in err, out + err
     code, out, err = second("push", "hello", "--squashfs")  # idempotent: nothing new to send
     assert code == 0, out + err

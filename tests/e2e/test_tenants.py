@@ -401,7 +401,7 @@ def test_a_pushers_artifact_is_checked_for_the_user_who_opted_in(site, registry_
                                                                  refusal) -> None:
     digest = _image(registry_server, f"artifact-{len(what)}")
     blob = _publish_as_pusher(site, registry_server, digest, tree, tmp_path, xattr)
-    config = _own_config(site, BOB, prebuilt_unpinned=True)
+    config = _own_config(site, BOB, published_unpinned=True)
     done = _get(site, BOB, f"docker://head:5000#{REPO}@{digest}", config=config)
     assert done.returncode == 0, done.stderr
     assert f"refused published squashfs {blob[:19]}: the published squashfs {refusal}" in (
@@ -417,7 +417,7 @@ def test_what_a_user_opts_into_is_never_what_another_user_receives(site, registr
     genuine_bytes = _sha256(genuine)
     blob = _publish_as_pusher(site, registry_server, digest, {"usr/bin/tool": (0o755, 0)},
                               tmp_path)
-    config = _own_config(site, BOB, prebuilt_unpinned=True)
+    config = _own_config(site, BOB, published_unpinned=True)
     for env in ({}, {"IMGPIPE_SQUASHFS_PINS": f"{digest}={blob}"}):
         done = _get(site, BOB, f"docker://head:5000#{REPO}@{digest}", config=config, env=env)
         assert done.returncode == 0, done.stderr

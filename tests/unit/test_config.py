@@ -76,3 +76,21 @@ def test_cli_config_error_in_json_mode_is_an_envelope(cli) -> None:
     assert envelope["status"] == "error"
     assert envelope["errors"][0]["code"] == "config"
     assert "registry.colour: unknown key" in envelope["errors"][0]["message"]
+
+
+def test_the_published_squashfs_keys_of_earlier_releases_are_still_read(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One word for the published squashfs: enroot.published(_unpinned); a site config that
+    still says prebuilt is read as before, with one line saying the new name."""
+    from imgpipe.base import config
+
+    config._SAID.clear()
+    (tmp_path / "imgpipe.yaml").write_text("enroot: {prebuilt: false, prebuilt_unpinned: true}\n")
+    settings = load_settings(tmp_path / "imgpipe.yaml")
+    assert (settings.enroot.published, settings.enroot.published_unpinned) == (False, True)
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["imgpipe: deprecated: enroot.prebuilt is now enroot.published; the old "
+                   "name is still read", "imgpipe: deprecated: enroot.prebuilt_unpinned is "
+                   "now enroot.published_unpinned; the old name is still read"]
+    (tmp_path / "imgpipe.yaml").write_text("enroot: {prebuilt: false, published: true}\n")
+    assert load_settings(tmp_path / "imgpipe.yaml").enroot.published is True  # the new wins

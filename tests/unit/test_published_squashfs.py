@@ -14,8 +14,8 @@ import pytest
 
 from imgpipe.enroot.errors import ConvertError
 from imgpipe.enroot.pins import PINS_ENV, pins_in, pins_text
-from imgpipe.enroot.prebuilt import Prebuilt
 from imgpipe.enroot.published import check_contents
+from imgpipe.enroot.publishedpolicy import PublishedPolicy
 from imgpipe.registry.referrers import is_referrers_tag, referrers_tag
 
 IMAGE = "sha256:" + "a" * 64
@@ -29,9 +29,9 @@ def test_pins_name_a_squashfs_per_image_digest_and_ignore_anything_else() -> Non
     assert pins_in(text, "sha256:" + "d" * 64) == frozenset()
     # A value that is no digest pins nothing (never "any squashfs").
     assert pins_in(f"{IMAGE}= {IMAGE}=sha256:short {IMAGE}=md5:{'b' * 64}", IMAGE) == set()
-    policy = Prebuilt().pinned_for(IMAGE, {PINS_ENV: text})
+    policy = PublishedPolicy().pinned_for(IMAGE, {PINS_ENV: text})
     assert policy.pins == {SQUASHFS} and policy.use and not policy.unpinned
-    assert Prebuilt().pinned_for(IMAGE, {}).pins == frozenset()
+    assert PublishedPolicy().pinned_for(IMAGE, {}).pins == frozenset()
 
 
 def test_the_referrers_tag_schema_names() -> None:

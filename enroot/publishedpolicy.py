@@ -6,7 +6,7 @@ nothing: anyone who may push could attach another one to X.  So one is used only
 
 - its blob digest equals a pin the publisher recorded (imgpipe.lock, the recipes'
   ``IMGPIPE_SQUASHFS_PINS``, or ``imgpipe verify`` after converting it here), or
-- there is no pin and the site opted in (``enroot.prebuilt_unpinned``): then the
+- there is no pin and the site opted in (``enroot.published_unpinned``): then the
   image's layers are read too, and a set-id file they do not have refuses it;
 
 and in both cases a fetched file holding a device node is refused.  Every decision is
@@ -30,18 +30,18 @@ from imgpipe.registry.errors import DigestMismatchError
 
 
 @dataclass(frozen=True)
-class Prebuilt:
+class PublishedPolicy:
     """What a conversion may fetch instead of converting."""
 
-    use: bool = True  # False: --no-prebuilt, enroot.prebuilt: false
+    use: bool = True  # False: --no-published, enroot.published: false
     pins: frozenset[str] = field(default_factory=frozenset)  # trusted squashfs digests
-    unpinned: bool = False  # enroot.prebuilt_unpinned: the site trusts its registry
+    unpinned: bool = False  # enroot.published_unpinned: the site trusts its registry
 
     def pinned_for(self, image_digest: str,
-                   environ: Mapping[str, str] = os.environ) -> Prebuilt:
+                   environ: Mapping[str, str] = os.environ) -> PublishedPolicy:
         """This policy with the environment's pins of ``image_digest`` added."""
         extra = pins_in(environ.get(PINS_ENV, ""), image_digest)
-        return Prebuilt(self.use, self.pins | extra, self.unpinned) if extra else self
+        return PublishedPolicy(self.use, self.pins | extra, self.unpinned) if extra else self
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class Fetched:
     cached: bool = False  # a usable entry of that digest was there already
 
 
-def _choose(candidates: list[PublishedSquashfs], policy: Prebuilt, name: str,
+def _choose(candidates: list[PublishedSquashfs], policy: PublishedPolicy, name: str,
             say: Callable[[str], None]) -> PublishedSquashfs | None:
     if policy.pins:
         for candidate in reversed(candidates):
@@ -65,15 +65,15 @@ def _choose(candidates: list[PublishedSquashfs], policy: Prebuilt, name: str,
     if policy.unpinned:
         chosen = candidates[-1]
         say(f"published squashfs {chosen.blob} of {name} is not pinned; using it as "
-            "enroot.prebuilt_unpinned allows, after checking it against the layers")
+            "enroot.published_unpinned allows, after checking it against the layers")
         return chosen
     say(f"published squashfs {candidates[-1].blob[:19]} of {name} is not pinned: converting "
-        "(pin it with `imgpipe verify`, or set enroot.prebuilt_unpinned)")
+        "(pin it with `imgpipe verify`, or set enroot.published_unpinned)")
     return None
 
 
-def try_prebuilt(client: RegistryClient, storage: Storage, repository: str, digest: str,
-                 compression: str, policy: Prebuilt,
+def fetch_trusted(client: RegistryClient, storage: Storage, repository: str, digest: str,
+                 compression: str, policy: PublishedPolicy,
                  layers_view: Callable[[], MergedView], say: Callable[[str], None],
                  count: Callable[[int | None], Callable[[int], None]]) -> Fetched | None:
     """Fetch the published squashfs of ``repository@digest`` into the cache, under its own
