@@ -22,8 +22,9 @@ from typing import Any
 from imgpipe.base.files import read_regular
 from imgpipe.enroot.errors import BlobDigestError, ConvertError
 from imgpipe.enroot.storage import Storage, digest_hex
-from imgpipe.registry.client import Manifest, RegistryClient
+from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.errors import DigestMismatchError, RegistryError
+from imgpipe.registry.manifests import Manifest
 
 MAX_CONNECTIONS = 4
 ATTEMPTS = 3

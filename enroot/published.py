@@ -33,8 +33,9 @@ from imgpipe.enroot.errors import ConvertError, NoSpaceError
 from imgpipe.enroot.merge import MergedView
 from imgpipe.enroot.storage import FORMAT, Storage
 from imgpipe.enroot.trust import shown
-from imgpipe.registry.client import Manifest, RegistryClient
+from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.errors import RegistryError
+from imgpipe.registry.manifests import Manifest
 from imgpipe.registry.mediatypes import OCI_MANIFEST
 from imgpipe.registry.referrers import attach, referrers, referrers_tag
 from imgpipe.registry.transfer import fetch_resumable, push_blob, push_bytes, put_manifest

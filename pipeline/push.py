@@ -19,8 +19,9 @@ from imgpipe.base.platforms import Platform
 from imgpipe.base.progress import Progress
 from imgpipe.pipeline.builds import BuildRecord
 from imgpipe.pipeline.lock import LockEntry, PlatformPin, updating_lock
-from imgpipe.registry.client import Manifest, RegistryClient
+from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.errors import RegistryError
+from imgpipe.registry.manifests import Manifest
 from imgpipe.registry.platformindex import put_index
 
 

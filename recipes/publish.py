@@ -14,7 +14,8 @@ from typing import Any
 
 from imgpipe.recipes.errors import RecipeError
 from imgpipe.registry.auth import Credentials
-from imgpipe.registry.client import Manifest, RegistryClient
+from imgpipe.registry.client import RegistryClient
+from imgpipe.registry.manifests import Manifest
 from imgpipe.registry.reference import Reference
 
 ARTIFACT_ANNOTATION = "org.imgpipe.recipes"

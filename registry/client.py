@@ -13,7 +13,6 @@ import json
 import logging
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urljoin, urlsplit
@@ -27,6 +26,7 @@ from imgpipe.base.files import atomic_path
 from imgpipe.base.platforms import Platform, host_platform
 from imgpipe.registry.auth import Authenticator, Credentials
 from imgpipe.registry.errors import AuthError, DigestMismatchError, RegistryError
+from imgpipe.registry.manifests import Manifest, select_platform, sha256_digest
 from imgpipe.registry.mediatypes import (  # noqa: F401 (re-exported)
     DOCKER_LIST,
     DOCKER_MANIFEST,
@@ -43,41 +43,6 @@ READ_TIMEOUT_S = 20.0  # of silence: a stalled registry is given up on, not wait
 REGISTRY_HEADER = "Docker-Distribution-API-Version"
 CHUNK = 1 << 20
 PAGE_SIZE = 100  # registry:2 rejects n above 1000 and answers 100 when n is absent
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """One image manifest as served: its digest depends on the media type served."""
-
-    digest: str
-    media_type: str
-    raw: bytes
-
-    @property
-    def body(self) -> dict[str, Any]:
-        parsed = json.loads(self.raw)
-        if not isinstance(parsed, dict):
-            raise RegistryError("a manifest that is not a JSON object")
-        return parsed
-
-    @property
-    def config_digest(self) -> str:
-        return str(self.body["config"]["digest"])
-
-    @property
-    def layers(self) -> list[dict[str, Any]]:
-        return list(self.body.get("layers", []))
-
-    @property
-    def size(self) -> int:
-        """Bytes of config and layers (what the image takes in the registry)."""
-        body = self.body
-        return int(body.get("config", {}).get("size", 0)) + sum(int(x.get("size", 0))
-                                                               for x in self.layers)
-
-
-def sha256_digest(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
 MANIFEST_LIMIT = 4 << 20  # the OCI distribution spec's suggested limit for a manifest
@@ -435,29 +400,3 @@ def _registry_errors(response: requests.Response) -> bool:
     except ValueError:
         return False
     return isinstance(body, dict) and isinstance(body.get("errors"), list)
-
-
-def select_platform(index: dict[str, Any], platform: Platform) -> dict[str, Any]:
-    """The index entry for ``platform``; attestation (unknown/unknown) entries are skipped."""
-    candidates = []
-    for entry in index.get("manifests", []):
-        plat = entry.get("platform") or {}
-        if plat.get("os") == "unknown" or plat.get("architecture") == "unknown":
-            continue
-        if plat.get("os") == platform.os and plat.get("architecture") == platform.architecture:
-            candidates.append(entry)
-    if platform.variant:
-        exact = [e for e in candidates if e["platform"].get("variant") == platform.variant]
-        candidates = exact or candidates
-    if not candidates:
-        offered = sorted(
-            f"{(e.get('platform') or {}).get('os')}/{(e.get('platform') or {}).get('architecture')}"
-            for e in index.get("manifests", [])
-        )
-        raise RegistryError(
-            f"no image for {platform.os}/{platform.architecture} in the index "
-            f"(it offers {', '.join(offered) or 'nothing'})"
-        )
-    chosen: dict[str, Any] = candidates[0]
-    return chosen
-

@@ -23,25 +23,27 @@ import signal
 import socket
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 from imgpipe.base import process
-from imgpipe.base.config import RegistryConfig, Settings
+from imgpipe.base.config import Settings
 from imgpipe.base.engine import Engine, EngineError
 from imgpipe.base.errors import ImgpipeError
 from imgpipe.base.files import atomic_write
-from imgpipe.base.process import which
 from imgpipe.registry.errors import LocalRegistryError
+from imgpipe.registry.localfiles import (
+    CONTAINER_AUTH,
+    CONTAINER_CERTS,
+    CONTAINER_CONFIG,
+    CONTAINER_DATA,
+    Mode,
+    ServerFiles,
+    collect_garbage,
+    dir_bytes,
+    registry_binary,
+    short,
+)
 
-Mode = Literal["container", "binary"]
-CONTAINER_DATA = "/var/lib/registry"
-CONTAINER_CONFIG = "/etc/docker/registry/config.yml"
-CONTAINER_CERTS = "/certs"
-CONTAINER_AUTH = "/auth"
-BINARY_NAMES = ("docker-registry", "registry")
 START_DEADLINE_S = 20.0
 STOP_DEADLINE_S = 15.0
 # The state folder of the checkout that started a container-mode registry: the container's
@@ -59,16 +61,6 @@ class ServerState:
     container: str | None = None
 
 
-def dir_bytes(path: Path) -> int:
-    """Bytes of the regular files under ``path`` (0 when it does not exist)."""
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            with contextlib.suppress(FileNotFoundError):
-                total += os.lstat(os.path.join(root, name)).st_size
-    return total
-
-
 def port_in_use(host: str, port: int) -> bool:
     """True when something accepts connections on host:port."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -76,70 +68,35 @@ def port_in_use(host: str, port: int) -> bool:
         return sock.connect_ex((host, port)) == 0
 
 
-class LocalRegistry:
+class LocalRegistry(ServerFiles):
     """Lifecycle of the registry that serves ``settings.registry``."""
 
     def __init__(self, settings: Settings, engine: Engine | None = None):
-        self.settings = settings
-        self.config: RegistryConfig = settings.registry
-        server = self.config.server
-        self.state_dir = settings.path(server.state_dir).resolve()
-        self.data_dir = settings.path(server.data_dir).resolve()
-        self.tls_cert = settings.path(server.tls_cert).resolve() if server.tls_cert else None
-        self.tls_key = settings.path(server.tls_key).resolve() if server.tls_key else None
-        self.htpasswd = settings.path(server.htpasswd).resolve() if server.htpasswd else None
+        super().__init__(settings)
         self.engine = engine or Engine(settings.docker.host)
 
-    # -- paths ------------------------------------------------------------------------------
+    # -- garbage collection -----------------------------------------------------------------
 
-    @property
-    def config_file(self) -> Path:
-        return self.state_dir / "config.yml"
-
-    @property
-    def pid_file(self) -> Path:
-        return self.state_dir / "registry.pid"
-
-    @property
-    def log_file(self) -> Path:
-        return self.state_dir / "registry.log"
-
-    @property
-    def listen(self) -> str:
-        return f"{self.config.server.bind}:{self.config.port}"
-
-    # -- configuration ----------------------------------------------------------------------
-
-    def render_config(self, mode: Mode) -> str:
-        """The registry's config.yml, with paths as the registry process will see them."""
-        inside = mode == "container"
-        http: dict[str, Any] = {
-            "addr": self.listen,
-            "headers": {"X-Content-Type-Options": ["nosniff"]},
-        }
-        if self.tls_cert and self.tls_key:
-            http["tls"] = {
-                "certificate": f"{CONTAINER_CERTS}/tls.crt" if inside else str(self.tls_cert),
-                "key": f"{CONTAINER_CERTS}/tls.key" if inside else str(self.tls_key),
-            }
-        config: dict[str, Any] = {
-            "version": 0.1,
-            "log": {"level": "info", "fields": {"service": "registry"}},
-            "storage": {
-                "filesystem": {"rootdirectory": CONTAINER_DATA if inside else str(self.data_dir)},
-                "delete": {"enabled": True},
-                "cache": {"blobdescriptor": "inmemory"},
-            },
-            "http": http,
-        }
-        if self.htpasswd:
-            config["auth"] = {
-                "htpasswd": {
-                    "realm": "imgpipe-registry",
-                    "path": f"{CONTAINER_AUTH}/htpasswd" if inside else str(self.htpasswd),
-                }
-            }
-        return yaml.safe_dump(config, sort_keys=False)
+    def garbage_collect(self, delete_untagged: bool = False) -> tuple[int, int]:
+        """Stop, collect, restart; returns (bytes before, bytes after) of the data directory."""
+        current = self.state()
+        if current.mode == "external":
+            raise LocalRegistryError(
+                "the registry on this address was not started by imgpipe; "
+                "cannot collect its garbage",
+                hint="run `registry garbage-collect` where that registry runs",
+            )
+        mode: Mode = current.mode if current.mode in ("container", "binary") else self.choose_mode()
+        before = dir_bytes(self.data_dir)
+        was_running = current.mode != "down"
+        if was_running:
+            self.down()
+        try:
+            collect_garbage(self, mode, delete_untagged, self._required_engine)
+        finally:
+            if was_running:
+                self.up()
+        return before, dir_bytes(self.data_dir)
 
     # -- state ------------------------------------------------------------------------------
 
@@ -218,7 +175,7 @@ class LocalRegistry:
             return wanted
         if self._image_available():
             return "container"
-        if _binary() is not None:
+        if registry_binary() is not None:
             return "binary"
         raise LocalRegistryError(
             f"cannot run a registry: no {self.config.server.image} image in the Docker engine "
@@ -252,8 +209,8 @@ class LocalRegistry:
                 hint="stop that program, or choose another registry.port in imgpipe.yaml",
             )
         mode = self.choose_mode()
-        self._check_files()
-        created = self._prepare_dirs()
+        self.check_files()
+        created = self.prepare_dirs()
         try:
             if mode == "container":
                 self._start_container()
@@ -268,49 +225,8 @@ class LocalRegistry:
             raise
         return self.state(), True
 
-    def _check_files(self) -> None:
-        if bool(self.tls_cert) != bool(self.tls_key):
-            raise LocalRegistryError("registry.server.tls_cert and tls_key go together",
-                                     hint="set both in imgpipe.yaml, or neither")
-        for key, path in (("tls_cert", self.tls_cert), ("tls_key", self.tls_key),
-                          ("htpasswd", self.htpasswd)):
-            if path is not None and not path.is_file():
-                raise LocalRegistryError(f"registry.server.{key}: {path} does not exist")
-        if self.htpasswd and not self.tls_cert:
-            raise LocalRegistryError(
-                "registry.server.htpasswd needs TLS: the registry refuses Basic auth over http",
-                hint="set registry.server.tls_cert and tls_key",
-            )
-
-    def _prepare_dirs(self) -> list[Path]:
-        """Create state and data directories; returns the ones created (for undo)."""
-        created: list[Path] = []
-        for directory in (self.state_dir, self.data_dir):
-            missing = []
-            probe = directory
-            while not probe.exists():
-                missing.append(probe)
-                probe = probe.parent
-            try:
-                directory.mkdir(parents=True, exist_ok=True)
-                test = directory / f".imgpipe-write-test.{os.getpid()}"
-                test.write_bytes(b"")
-                test.unlink()
-            except OSError as exc:
-                for path in missing:  # deepest first
-                    with contextlib.suppress(OSError):
-                        path.rmdir()
-                reason = os.strerror(exc.errno) if exc.errno else str(exc)
-                raise LocalRegistryError(
-                    f"cannot write the registry's directory {directory}: {reason.lower()}",
-                    hint="run as a user who may write there, or set registry.server.data_dir "
-                    "and state_dir in imgpipe.yaml",
-                ) from exc
-            created.extend(missing)
-        return created
-
     def _start_binary(self) -> None:
-        binary = _binary()
+        binary = registry_binary()
         if binary is None:
             raise LocalRegistryError("the docker-registry binary is not installed",
                                      hint="apt-get install docker-registry")
@@ -377,8 +293,8 @@ class LocalRegistry:
             return "(no log)"
         for line in reversed(lines):
             if "level=fatal" in line or "level=error" in line or "panic" in line:
-                return _short(line)
-        return _short(lines[-1]) if lines else "(empty log)"
+                return short(line)
+        return short(lines[-1]) if lines else "(empty log)"
 
     # -- down -------------------------------------------------------------------------------
 
@@ -406,78 +322,6 @@ class LocalRegistry:
                 if container is not None:
                     container.remove(force=True)
 
-    # -- garbage collection -----------------------------------------------------------------
-
-    def garbage_collect(self, delete_untagged: bool = False) -> tuple[int, int]:
-        """Stop, collect, restart; returns (bytes before, bytes after) of the data directory."""
-        current = self.state()
-        if current.mode == "external":
-            raise LocalRegistryError(
-                "the registry on this address was not started by imgpipe; "
-                "cannot collect its garbage",
-                hint="run `registry garbage-collect` where that registry runs",
-            )
-        mode: Mode = current.mode if current.mode in ("container", "binary") else self.choose_mode()
-        before = dir_bytes(self.data_dir)
-        was_running = current.mode != "down"
-        if was_running:
-            self.down()
-        try:
-            if mode == "binary":
-                self._gc_binary(delete_untagged)
-            else:
-                self._gc_container(delete_untagged)
-        finally:
-            if was_running:
-                self.up()
-        return before, dir_bytes(self.data_dir)
-
-    def _gc_binary(self, delete_untagged: bool) -> None:
-        binary = _binary()
-        if binary is None:
-            raise LocalRegistryError("the docker-registry binary is not installed",
-                                     hint="apt-get install docker-registry")
-        atomic_write(self.config_file, self.render_config("binary"), mode=0o600)
-        argv = [binary, "garbage-collect", str(self.config_file)]
-        if delete_untagged:
-            argv.append("--delete-untagged")
-        proc = process.run(argv, timeout=600, check=False, what="garbage-collect")
-        with open(self.log_file, "a") as log:
-            log.write(proc.stdout + proc.stderr)
-        if proc.returncode != 0:
-            raise LocalRegistryError(f"garbage collection failed: {_short(proc.stderr)}",
-                                     hint=f"see {self.log_file}")
-
-    def _gc_container(self, delete_untagged: bool) -> None:
-        atomic_write(self.config_file, self.render_config("container"), mode=0o644)
-        command = ["garbage-collect", CONTAINER_CONFIG]
-        if delete_untagged:
-            command.append("--delete-untagged")
-        try:
-            output = self._required_engine().run_to_end(
-                self.config.server.image,
-                command,
-                network_mode="none",
-                volumes={
-                    str(self.data_dir): {"bind": CONTAINER_DATA, "mode": "rw"},
-                    str(self.config_file): {"bind": CONTAINER_CONFIG, "mode": "ro"},
-                },
-            )
-        except EngineError as exc:
-            raise LocalRegistryError(f"garbage collection failed: {_short(exc.message)}"
-                                     ) from exc
-        with open(self.log_file, "ab") as log:
-            log.write(output or b"")
-
-
-def _binary() -> str | None:
-    for name in BINARY_NAMES:
-        path = which(name)
-        if path:
-            return path
-    return None
-
-
 def _terminate(pid: int) -> None:
     """SIGTERM, wait, then SIGKILL; the registry flushes nothing that matters at exit."""
     try:
@@ -500,10 +344,6 @@ def _terminate(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
 
-
-def _short(text: str, limit: int = 300) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 __all__ = ["LocalRegistry", "ServerState", "dir_bytes", "port_in_use"]

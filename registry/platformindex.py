@@ -12,8 +12,9 @@ from collections.abc import Mapping
 
 from imgpipe.base.errors import ConfigError
 from imgpipe.base.platforms import Platform
-from imgpipe.registry.client import Manifest, RegistryClient
+from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.errors import RegistryError
+from imgpipe.registry.manifests import Manifest
 from imgpipe.registry.mediatypes import INDEX_TYPES, OCI_INDEX
 from imgpipe.registry.transfer import put_manifest
 

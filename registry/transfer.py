@@ -26,8 +26,9 @@ from urllib.parse import urljoin
 import requests
 
 from imgpipe.base.directio import ALIGN, DirectWriter
-from imgpipe.registry.client import RegistryClient, sha256_digest
+from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.errors import DigestMismatchError, RegistryError
+from imgpipe.registry.manifests import sha256_digest
 
 UPLOAD_CHUNK = 64 << 20  # bytes per PATCH: what one request holds in memory
 READ_CHUNK = 4 << 20
