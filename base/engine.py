@@ -25,13 +25,12 @@ import json
 import os
 import re
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from imgpipe.base.errors import CommandError, ImgpipeError
-from imgpipe.base.platforms import Platform, host_platform
 from imgpipe.base.process import Completed, last_error_line, require, run, stream
 
 NO_ENGINE_HINT = "start one: dockerd --bridge=none --iptables=false & (or ./setup.sh)"
@@ -246,51 +245,6 @@ def run_in_container(client: BuildClient, image: str, argv: list[str],
     options = ["--platform", platform] if platform else []
     return stream([client.path, "run", "--rm", "--network=none", *options, image, *argv],
                   on_line, timeout=timeout, env=client.env or None, what=what)
-
-
-BINFMT_DIR = Path("/proc/sys/fs/binfmt_misc")
-
-
-def emulator(platform: Platform) -> str | None:
-    """The binfmt entry that runs ``platform``'s programs here (``qemu-aarch64``), when one
-    is registered and enabled with the fix-binary flag (so it works inside containers)."""
-    name = f"qemu-{platform.machine}"
-    try:
-        text = (BINFMT_DIR / name).read_text()
-    except OSError:
-        return None
-    flags = next((line.split(":", 1)[1].strip() for line in text.splitlines()
-                  if line.startswith("flags:")), "")
-    return name if text.startswith("enabled") and "F" in flags else None
-
-
-def build_route(platform: Platform, builders: Mapping[str, str]) -> str:
-    """How ``platform`` is built here, in words: by the native engine build.builders names
-    for it, natively (the build host's own platform), or under emulation (binfmt).
-    ImgpipeError, with the fix, when none of the three can."""
-    remote = builders.get(str(platform))
-    if remote:
-        return f"native builder {remote}"
-    if platform == host_platform():
-        return "native"
-    found = emulator(platform)
-    if found is None:
-        raise ImgpipeError(f"this host ({host_platform()}) cannot build {platform}: no "
-                           f"emulator is registered and build.builders names no engine for it",
-                           hint="apt-get install qemu-user-static binfmt-support && "
-                           f"update-binfmts --enable qemu-{platform.machine}; or set "
-                           f"build.builders.{platform} to a native engine's DOCKER_HOST")
-    return f"emulated: binfmt {found}"
-
-
-def builder_for(client: BuildClient, platform: Platform, builders: Mapping[str, str]
-                ) -> tuple[BuildClient, str]:
-    """Who builds ``platform`` (``build_route``): the client to build with, and how."""
-    route = build_route(platform, builders)
-    remote = builders.get(str(platform))
-    if remote:
-        return probe_client(client.path, {"DOCKER_HOST": remote}).with_host(remote), route
-    return client, route
 
 
 class Engine:

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from imgpipe.base.builders import build_route
 from imgpipe.base.config import Settings
-from imgpipe.base.engine import build_route, docker_clients, probe_client
+from imgpipe.base.engine import docker_clients, probe_client
 from imgpipe.base.errors import ImgpipeError
 from imgpipe.base.platforms import Platform, host_platform
 from imgpipe.base.process import which

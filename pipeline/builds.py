@@ -238,7 +238,8 @@ def _build_platform(settings: Settings, client: BuildClient, item: PlanItem,
     """One platform of an index build, tagged ``<first tag>-<arch>`` in the engine: where
     the build host cannot run it, through emulation (binfmt) or the remote builder that
     build.builders names for it."""
-    from imgpipe.base.engine import builder_for, run_build
+    from imgpipe.base.builders import builder_for
+    from imgpipe.base.engine import run_build
 
     target, how = builder_for(client, platform, settings.build.builders)
     progress.step(f"build {item.key} for {platform} ({how})")

@@ -23,3 +23,9 @@ class ProfileError(RecipeError):
 
     exit_code = 2
     code = "profile"
+
+
+class SandboxError(RecipeError):
+    """The local cluster cannot be started, reached or stopped."""
+
+    code = "sandbox"

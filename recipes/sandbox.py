@@ -31,7 +31,8 @@ from pathlib import Path
 
 from imgpipe.base import process
 from imgpipe.base.errors import ImgpipeError
-from imgpipe.recipes.errors import RecipeError
+from imgpipe.recipes.daemons import alive, kill_marked, stop_group, wait_for
+from imgpipe.recipes.errors import SandboxError
 from imgpipe.recipes.sandboxfiles import (
     MUNGE_SOCKET,
     Host,
@@ -44,12 +45,6 @@ STATE_FILE = "sandbox.json"
 
 __all__ = ["Host", "Sandbox", "SandboxError", "SandboxSpec", "running"]
 REGISTRY_PORT = 5000
-
-
-class SandboxError(RecipeError):
-    """The local cluster cannot be started, reached or stopped."""
-
-    code = "sandbox"
 
 
 @dataclass
@@ -170,7 +165,7 @@ class Sandbox:
 
     def is_up(self) -> bool:
         state = self._load()
-        return state is not None and all(_alive(pid) for pid in state.pids.values())
+        return state is not None and all(alive(pid) for pid in state.pids.values())
 
     def _load(self) -> State | None:
         try:
@@ -282,7 +277,7 @@ class Sandbox:
             "munged", "--foreground", "--force", f"--key-file={munge / 'munge.key'}",
             f"--socket={root / MUNGE_SOCKET}", f"--pid-file={munge / 'munged.pid'}",
             f"--log-file={munge / 'munged.log'}", f"--seed-file={munge / 'munged.seed'}"])
-        _wait(lambda: (root / MUNGE_SOCKET).exists(), 20, "munged")
+        wait_for(lambda: (root / MUNGE_SOCKET).exists(), 20, "munged")
         self._daemon(state, "slurmctld", self.spec.head,
                      ["slurmctld", "-D", "-i", "-f", str(self.conf)])
         for host in self.spec.nodes:
@@ -313,7 +308,7 @@ class Sandbox:
     def _wait_idle(self, state: State, timeout: float) -> None:
         def idle() -> bool:
             for label, pid in state.pids.items():
-                if not _alive(pid):
+                if not alive(pid):
                     raise SandboxError(f"{label} exited while starting",
                                        hint=f"see {self.root / 'log'}")
             result = self.run(["sinfo", "-h", "-N", "-o", "%N %t"], timeout=20)
@@ -321,23 +316,23 @@ class Sandbox:
             return len(states) == self.spec.compute_nodes and all(
                 s in ("idle", "mix", "alloc") for s in states.values())
 
-        _wait(idle, timeout, f"{self.spec.compute_nodes} idle Slurm nodes", interval=0.3)
+        wait_for(idle, timeout, f"{self.spec.compute_nodes} idle Slurm nodes", interval=0.3)
 
     def down(self) -> None:
         """Stop everything ``up`` started; safe to call at any point and more than once."""
         state = self._load()
         if state is None:
             return
-        if any(_alive(pid) for label, pid in state.pids.items() if label == "slurmctld"):
+        if any(alive(pid) for label, pid in state.pids.items() if label == "slurmctld"):
             self._cancel_jobs()
         for pid in state.pids.values():
-            _stop_group(pid, signal.SIGTERM)
+            stop_group(pid, signal.SIGTERM)
         deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and any(_alive(p) for p in state.pids.values()):
+        while time.monotonic() < deadline and any(alive(p) for p in state.pids.values()):
             time.sleep(0.1)
         for pid in state.pids.values():
-            _stop_group(pid, signal.SIGKILL)
-        _kill_marked(f"SLURM_CONF={self.conf}".encode())
+            stop_group(pid, signal.SIGKILL)
+        kill_marked(f"SLURM_CONF={self.conf}".encode())
         for namespace in state.namespaces:
             for listed in _ip("netns", "pids", namespace, check=False).stdout.split():
                 with contextlib.suppress(ProcessLookupError, ValueError):
@@ -368,7 +363,7 @@ class Sandbox:
         if state is None:
             return {"up": False}
         nodes: dict[str, str] = {}
-        alive = {label: _alive(pid) for label, pid in state.pids.items()}
+        alive = {label: alive(pid) for label, pid in state.pids.items()}
         if alive.get("slurmctld"):
             result = self.run(["sinfo", "-h", "-N", "-o", "%N %t"], timeout=20)
             nodes = dict(line.split() for line in result.stdout.splitlines() if line.strip())
@@ -385,54 +380,3 @@ def running(spec: SandboxSpec, *, registry_storage: Path | None = None) -> Itera
         yield sandbox
     finally:
         sandbox.down()
-
-
-def _wait(predicate: object, deadline_s: float, what: str, interval: float = 0.1) -> None:
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if predicate():  # type: ignore[operator]
-            return
-        time.sleep(interval)
-    raise SandboxError(f"{what} not ready within {deadline_s:.0f} s")
-
-
-def _alive(pid: int) -> bool:
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, os.WNOHANG)  # reap our own exited children
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    stat = Path(f"/proc/{pid}/stat")
-    with contextlib.suppress(OSError):
-        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    return False
-
-
-def _stop_group(pid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, sig)
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, os.WNOHANG)
-
-
-def _kill_marked(marker: bytes) -> None:
-    """slurmstepd daemonizes out of slurmd's process group and job tasks are its children:
-    find them by the SLURM_CONF each of them inherits, so nothing outlives the cluster."""
-    deadline = time.monotonic() + 10
-    while True:
-        found = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit() or int(entry.name) == os.getpid():
-                continue
-            with contextlib.suppress(OSError):
-                if marker in (entry / "environ").read_bytes().split(b"\0"):
-                    found.append(int(entry.name))
-        if not found or time.monotonic() > deadline:
-            return
-        for pid in found:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.2)

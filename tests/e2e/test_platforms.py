@@ -159,7 +159,7 @@ def mixed_cluster(registry_server: services.RegistryProcess):
 
     ensure_users()
     prepare_node_devices()
-    spec = SandboxSpec(shared_folder("imgpipe-mixed-"), name="imgpm", subnet="10.213.12",
+    spec = SandboxSpec(shared_folder("imgpipe-mixed-"), name="imgpm", subnet="10.213.15",
                        cpus=4, gpus=0, platforms="node2=linux/arm64")
     with running(spec, registry_storage=registry_server.root / "data") as sandbox:
         yield sandbox

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from imgpipe.base import engine
+from imgpipe.base import builders
 from imgpipe.base.errors import ConfigError, ImgpipeError
 from imgpipe.base.files import SquashfsPath
 from imgpipe.base.platforms import Platform, host_platform, node_platform, parse_platforms
@@ -85,18 +85,18 @@ def test_platforms_are_an_input_and_a_one_platform_build_hashes_as_before(tmp_pa
 
 
 def test_who_builds_which_platform(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engine, "BINFMT_DIR", tmp_path)
-    assert engine.build_route(host_platform(), {}) == "native"
+    monkeypatch.setattr(builders, "BINFMT_DIR", tmp_path)
+    assert builders.build_route(host_platform(), {}) == "native"
     other = ARM if host_platform() != ARM else AMD
     with pytest.raises(ImgpipeError, match=f"cannot build {other}: no emulator"):
-        engine.build_route(other, {})
+        builders.build_route(other, {})
     entry = tmp_path / f"qemu-{other.machine}"
     entry.write_text("enabled\ninterpreter /usr/libexec/qemu-binfmt/x\nflags: P\n")
     with pytest.raises(ImgpipeError):  # without fix-binary it fails inside containers
-        engine.build_route(other, {})
+        builders.build_route(other, {})
     entry.write_text("enabled\ninterpreter /usr/libexec/qemu-binfmt/x\nflags: PF\n")
-    assert engine.build_route(other, {}) == f"emulated: binfmt qemu-{other.machine}"
-    assert engine.build_route(other, {str(other): "ssh://grace"}) == "native builder ssh://grace"
+    assert builders.build_route(other, {}) == f"emulated: binfmt qemu-{other.machine}"
+    assert builders.build_route(other, {str(other): "ssh://grace"}) == "native builder ssh://grace"
 
 
 def test_the_lock_keeps_each_platforms_manifest() -> None:
