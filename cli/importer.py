@@ -192,7 +192,7 @@ def _platform_entry(scheme: str, address: str, repository: str, digest: str) -> 
 
 def fast_get(uri: str) -> Path | None:
     """The squashfs of an already converted image, or None to take the full path."""
-    from imgpipe.enroot.pins import PINS_ENV, pins_in
+    from imgpipe.enroot.pins import Pins
     from imgpipe.enroot.storage import Storage
     from imgpipe.enroot.trust import CacheTrust
     from imgpipe.registry.errors import ReferenceFormatError
@@ -223,7 +223,7 @@ def fast_get(uri: str) -> Path | None:
 
         def find(manifest: str) -> Path | None:
             return storage.find_squashfs(ref.repository, manifest, quick["compression"],
-                                         pins_in(os.environ.get(PINS_ENV, ""), manifest), _say)
+                                         Pins.from_env().for_image(manifest), _say)
 
         found = find(digest)
         if found is None and ref.digest is not None and online:

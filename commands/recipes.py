@@ -13,7 +13,7 @@ from imgpipe.base.progress import Progress
 from imgpipe.commands.pushed import catalog_image, find_pushed, require_pushed
 from imgpipe.commands.wiring import registry_client, registry_credentials
 from imgpipe.enroot.nodeconfig import nodes_enroot, takes_digests
-from imgpipe.enroot.pins import PINS_ENV, pins_text
+from imgpipe.enroot.pins import PINS_ENV, Pins
 from imgpipe.enroot.published import find_published
 from imgpipe.enroot.storage import converted_digest
 from imgpipe.pipeline.lock import LockEntry, PlatformPin, lock_path, read_lock
@@ -165,7 +165,7 @@ def render_recipes(settings: Settings, profile: Profile, nodes: int, runtime: Ru
     pins = squashfs_pins(settings, [("bert", flavor)]
                          + ([("nccl-tests", "ngc")] if profile.is_gpu else []), image or "")
     if pins:  # the importer on the nodes fetches these instead of converting
-        env = {PINS_ENV: pins_text(pins), **env}
+        env = {PINS_ENV: Pins.of(pins).text(), **env}
     elif progress is not None and not isinstance(pinned, SquashfsPath):
         _say_if_unpinned(settings, pinned, progress)
     site = settings.recipes

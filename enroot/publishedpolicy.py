@@ -22,7 +22,7 @@ from pathlib import Path
 
 from imgpipe.enroot.errors import ConvertError
 from imgpipe.enroot.merge import MergedView
-from imgpipe.enroot.pins import PINS_ENV, pins_in
+from imgpipe.enroot.pins import Pins
 from imgpipe.enroot.published import PublishedSquashfs, fetch, find_published, layers_setuid
 from imgpipe.enroot.storage import Storage, fetched_stem
 from imgpipe.registry.client import RegistryClient
@@ -40,7 +40,7 @@ class PublishedPolicy:
     def pinned_for(self, image_digest: str,
                    environ: Mapping[str, str] = os.environ) -> PublishedPolicy:
         """This policy with the environment's pins of ``image_digest`` added."""
-        extra = pins_in(environ.get(PINS_ENV, ""), image_digest)
+        extra = Pins.from_env(environ).for_image(image_digest)
         return PublishedPolicy(self.use, self.pins | extra, self.unpinned) if extra else self
 
 

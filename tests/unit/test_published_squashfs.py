@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from imgpipe.enroot.errors import ConvertError
-from imgpipe.enroot.pins import PINS_ENV, pins_in, pins_text
+from imgpipe.enroot.pins import PINS_ENV, Pins
 from imgpipe.enroot.published import check_contents
 from imgpipe.enroot.publishedpolicy import PublishedPolicy
 from imgpipe.registry.referrers import is_referrers_tag, referrers_tag
@@ -24,11 +24,12 @@ OTHER = "sha256:" + "c" * 64
 
 
 def test_pins_name_a_squashfs_per_image_digest_and_ignore_anything_else() -> None:
-    text = pins_text({IMAGE: SQUASHFS, OTHER: OTHER})
-    assert pins_in(text, IMAGE) == {SQUASHFS}
-    assert pins_in(text, "sha256:" + "d" * 64) == frozenset()
+    text = Pins.of({IMAGE: SQUASHFS, OTHER: OTHER}).text()
+    assert Pins.parse(text).for_image(IMAGE) == {SQUASHFS}
+    assert Pins.parse(text).for_image("sha256:" + "d" * 64) == frozenset()
     # A value that is no digest pins nothing (never "any squashfs").
-    assert pins_in(f"{IMAGE}= {IMAGE}=sha256:short {IMAGE}=md5:{'b' * 64}", IMAGE) == set()
+    assert Pins.parse(f"{IMAGE}= {IMAGE}=sha256:short {IMAGE}=md5:{'b' * 64}").for_image(
+        IMAGE) == set()
     policy = PublishedPolicy().pinned_for(IMAGE, {PINS_ENV: text})
     assert policy.pins == {SQUASHFS} and policy.use and not policy.unpinned
     assert PublishedPolicy().pinned_for(IMAGE, {}).pins == frozenset()
