@@ -18,16 +18,14 @@ from imgpipe.commands.images import (
     Pushed,
     build_images,
     ci_merge,
+    lock_file,
     mirror_image,
     plan_images,
     push_images,
-    run_selftest,
+    selftest_named,
     unconverted,
 )
-from imgpipe.commands.published import Published, publish_squashfs
-from imgpipe.pipeline.catalog import Image, load_catalog, select
-from imgpipe.pipeline.lock import lock_path, read_lock
-from imgpipe.pipeline.plan import PlanItem
+from imgpipe.commands.published import Published, publish_all, publish_squashfs
 
 
 def _pairs(values: tuple[str, ...], what: str) -> dict[str, str]:
@@ -69,7 +67,7 @@ def _platforms(text: str | None) -> tuple[Platform, ...]:
     return parse_platforms(text) if text else ()
 
 
-def _plan_lines(items: list[PlanItem], without: list[tuple[Image, str]]) -> list[str]:
+def _plan_lines(items: list[Any], without: list[tuple[Any, str]]) -> list[str]:
     lines = [f"{item.key:<24} {item.action:<11} {item.reason}" for item in items]
     lines += [f"{image.name:<24} {'skipped':<11} {why}" for image, why in without]
     return lines
@@ -194,7 +192,7 @@ def push(ctx: click.Context, images: tuple[str, ...], then_convert: bool,
         published, more = _publish_all(settings, images, flavor, done, progress)
         lines += more
     return Result({"images": done.pushed, "adopted": done.adopted,
-                   "lock": lock_path(settings.root), "squashfs": squashfs,
+                   "lock": lock_file(settings), "squashfs": squashfs,
                    "published": published}, lines)
 
 
@@ -203,13 +201,7 @@ def _publish_all(settings: Settings, images: tuple[str, ...], flavor: str | None
     """Publish the squashfs of every image pushed, recorded, or (nothing new) pinned."""
     keys = [(o.image, o.flavor) for o in done.pushed]
     keys += [(key.split("/")[0], key.split("/")[1]) for key in done.adopted]
-    if not keys:  # nothing new: what the lock pins (publishing again is a no-op)
-        wanted = flavor or settings.default_flavor
-        lock = read_lock(lock_path(settings.root))
-        keys = [(image.name, wanted) for image in select(load_catalog(settings), list(images))
-                if lock.entry(image.name, wanted) is not None]
-    published = [p for name, one in keys for p in publish_squashfs(settings, name, one,
-                                                                    progress)]
+    published = publish_all(settings, images, flavor, keys, progress)
     return published, [f"{p.image}/{p.flavor}: squashfs {p.squashfs.blob} "
                        f"({p.squashfs.compression}) "
                        + ("published" if p.pushed else "published already")
@@ -229,11 +221,11 @@ def selftest(ctx: click.Context, image_name: str, flavor: str | None) -> Result:
       imgpipe build bert && imgpipe selftest bert && imgpipe push
     """
     settings = settings_of(ctx)
-    [image] = select(load_catalog(settings), [image_name])
     flavor = flavor or settings.default_flavor
-    summary = run_selftest(settings, image, flavor, Progress(choose_mode(invocation(ctx).json)))
-    return Result({"image": image.name, "flavor": flavor, "result": summary},
-                  [f"{image.name}/{flavor}: self-test passed: {summary}"])
+    summary = selftest_named(settings, image_name, flavor,
+                             Progress(choose_mode(invocation(ctx).json)))
+    return Result({"image": image_name, "flavor": flavor, "result": summary},
+                  [f"{image_name}/{flavor}: self-test passed: {summary}"])
 
 
 @click.command(context_settings=CONTEXT)

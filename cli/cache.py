@@ -9,9 +9,8 @@ import click
 from imgpipe.base.units import human_bytes, parse_size
 from imgpipe.cli.clikit import CONTEXT, parsed_by, reporting, settings_of
 from imgpipe.cli.output import Result
-from imgpipe.commands.wiring import shown, storage
-from imgpipe.enroot.cachelayout import audit
-from imgpipe.enroot.usage import entries, prune
+from imgpipe.commands.cache import list_cache, prune_cache
+from imgpipe.commands.wiring import shown
 
 
 def _age(seconds: float) -> str:
@@ -36,9 +35,7 @@ def cache() -> None:
 def ls_command(ctx: click.Context) -> Result:
     """Each squashfs file and blob: size, last use, and the jobs using it now; then
     anything unsafe in the cache (wrong owners or modes, links, planted entries)."""
-    cache = storage(settings_of(ctx))
-    found = entries(cache)
-    unsafe = audit(cache)
+    found, unsafe = list_cache(settings_of(ctx))
     now = time.time()
     lines = [f"{'kind':<8} {'size':>10} {'last use':>9}  name (users)"]
     for entry in found:
@@ -69,8 +66,8 @@ def prune_command(ctx: click.Context, max_size: int | None, unused_for: float | 
     release) or whose conversion is running is never removed."""
     if max_size is None and unused_for is None:
         raise click.UsageError("say how much to prune: --max-size SIZE or --unused-for DAYS")
-    result = prune(storage(settings_of(ctx)), max_size,
-                   unused_for * 86400 if unused_for is not None else None, dry_run)
+    result = prune_cache(settings_of(ctx), max_size,
+                         unused_for * 86400 if unused_for is not None else None, dry_run)
     verb = "would remove" if dry_run else "removed"
     lines = [f"{verb} {len(result.removed)} entries ({human_bytes(result.freed)}); "
              f"{human_bytes(result.total_after)} left"]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 
 from imgpipe.base.config import deprecated
@@ -12,19 +10,10 @@ from imgpipe.base.progress import Progress, choose_mode
 from imgpipe.base.units import human_bytes
 from imgpipe.cli.clikit import CONTEXT, invocation, parsed_by, reporting, settings_of
 from imgpipe.cli.output import Result
-from imgpipe.commands.convert import convert_and_record
+from imgpipe.commands.convert import Conversion, convert_and_record
+from imgpipe.commands.nodeconfig import make_cache as setup_cache
+from imgpipe.commands.nodeconfig import node_setup, parse_version
 from imgpipe.commands.published import verify
-from imgpipe.commands.wiring import storage
-from imgpipe.enroot.cachelayout import make_layout
-from imgpipe.enroot.convert import Conversion
-from imgpipe.enroot.nodeconfig import (
-    PYXIS_SO_CANDIDATES,
-    detect_pyxis,
-    enroot_location,
-    importer_path,
-    parse_version,
-    render,
-)
 
 COMPRESSION = click.Choice(["zstd", "lz4", "lzo-enroot", "none"])
 
@@ -135,11 +124,8 @@ def node_config(ctx: click.Context, pyxis_version: tuple[int, int, int] | None,
     """
     if make_cache is not None:
         return _make_cache(ctx, make_cache, group)
-    detected = detect_pyxis((pyxis_plugin,) if pyxis_plugin else PYXIS_SO_CANDIDATES)
-    version = pyxis_version or (detected[1] if detected else None)
-    plugin = pyxis_plugin or (detected[0] if detected else PYXIS_SO_CANDIDATES[0])
-    rendered = render(settings_of(ctx), importer or importer_path(), version, plugin,
-                      enroot_path or enroot_location(), squashfuse=not no_squashfuse)
+    rendered = node_setup(settings_of(ctx), pyxis_version, pyxis_plugin, enroot_path, importer,
+                          squashfuse=not no_squashfuse)
     text = rendered.enroot_conf + "\n" + rendered.plugstack_conf + "\n" + rendered.install
     if rendered.credentials:
         text += "\n" + rendered.credentials
@@ -153,8 +139,6 @@ def node_config(ctx: click.Context, pyxis_version: tuple[int, int, int] | None,
 
 
 def _make_cache(ctx: click.Context, folder: str, group: str | None) -> Result:
-    settings = settings_of(ctx)
-    cache = storage(settings, Path(folder).resolve() if folder else None)
     if group is not None:
         import grp
 
@@ -163,11 +147,10 @@ def _make_cache(ctx: click.Context, folder: str, group: str | None) -> Result:
         except KeyError:
             raise click.BadParameter(f"no group {group!r} on this host",
                                      param_hint="--group") from None
-    done = make_layout(cache, group)
-    lines = done or [f"{cache.root}: set up already"]
-    return Result({"squashfs_dir": str(cache.root), "changes": done},
-                  [*lines, f"{cache.root}: ready for every job user (owner "
-                   f"{cache.trust.admin_names()})"])
+    root, done, owners = setup_cache(settings_of(ctx), folder, group)
+    lines = done or [f"{root}: set up already"]
+    return Result({"squashfs_dir": str(root), "changes": done},
+                  [*lines, f"{root}: ready for every job user (owner {owners})"])
 
 
 @click.command(name="verify", context_settings=CONTEXT)

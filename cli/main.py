@@ -174,12 +174,10 @@ def base_image(ctx: click.Context, tag: str | None, platform: str | None, suite:
       imgpipe base-image --platform linux/arm64   (the cpu flavor's platform_bases)
     """
     from imgpipe.base.platforms import Platform
-    from imgpipe.pipeline.baseimage import DEFAULT_TAG, ensure_base_image
+    from imgpipe.commands.baseimage import make_base_image
 
-    chosen = Platform.parse(platform) if platform else None
-    default = DEFAULT_TAG if chosen is None else f"{DEFAULT_TAG}-{chosen.tag_suffix}"
-    made, created = ensure_base_image(tag or default, suite, mirror, rebuild=rebuild,
-                                      platform=chosen)
+    made, created = make_base_image(tag, Platform.parse(platform) if platform else None,
+                                    suite, mirror, rebuild)
     verb = "created" if created else "already present"
     return Result({"tag": made, "created": created}, [f"{made}: {verb}"])
 

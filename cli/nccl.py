@@ -7,13 +7,9 @@ from pathlib import Path
 
 import click
 
-from imgpipe.base.errors import ConfigError
 from imgpipe.cli.clikit import CONTEXT, reporting, settings_of
 from imgpipe.cli.output import Result
-from imgpipe.recipes.nccl import check as judge
-from imgpipe.recipes.nccl import parse, verdict_line
-from imgpipe.recipes.ncclinfo import analyze
-from imgpipe.recipes.profiles import load_profile
+from imgpipe.commands.nccl import check_log, verdict_line
 
 
 @click.group(context_settings=CONTEXT)
@@ -47,19 +43,9 @@ def check_command(ctx: click.Context, log: Path, profile_name: str, nodes: int |
     NCCL_DEBUG=INFO lines in the log it also reports, per rank, the transport
     NCCL chose between nodes.  Exit 1 on fail (and on warn with --strict).
     """
-    settings = settings_of(ctx)
-    folder = settings.recipes.profiles_dir
-    profile = load_profile(profile_name, settings.path(folder) if folder else None)
-    try:
-        text = log.read_text(errors="replace")
-    except OSError as exc:
-        raise ConfigError(f"cannot read {log}: {exc.strerror}") from exc
-    runs = parse(text)
-    if not runs:
-        raise ConfigError(f"{log} holds no nccl-tests results",
-                          hint="pass the output of all_reduce_perf (or the PyTorch benchmark)")
-    verdicts = judge(runs, profile.busbw_gbs)
-    transport = analyze(text)
+    checked = check_log(settings_of(ctx), log, profile_name, plot)
+    profile, runs, verdicts, transport = (checked.profile, checked.runs, checked.verdicts,
+                                          checked.transport)
     lines = []
     for verdict in verdicts:
         lines.append(verdict_line(verdict, nodes))
@@ -72,9 +58,6 @@ def check_command(ctx: click.Context, log: Path, profile_name: str, nodes: int |
             hcas = ",".join(sorted(rank.hcas)) or "-"
             lines.append(f"  rank {rank.rank:>4} on {rank.host}: {rank.verdict} (HCAs {hcas})")
     if plot is not None:
-        from imgpipe.recipes.plot import plot_busbw
-
-        plot_busbw(runs[-1], verdicts[-1], plot, f"nccl-tests against profile {profile.name}")
         lines.append(f"plot: {plot}")
     failed = any(v.status == "fail" for v in verdicts)
     warned = any(v.status == "warn" for v in verdicts) or transport.status == "warn"

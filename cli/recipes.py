@@ -12,9 +12,15 @@ from imgpipe.base.platforms import Platform
 from imgpipe.base.progress import Progress, choose_mode
 from imgpipe.cli.clikit import CONTEXT, invocation, reporting, settings_of
 from imgpipe.cli.output import Result
-from imgpipe.commands.recipes import publish_recipes, pull_recipes, render_recipes, site_profile
-from imgpipe.recipes.runtimes import RUNTIMES, Runtime
-from imgpipe.recipes.scaling import table as shape_table
+from imgpipe.commands.recipes import (
+    RUNTIMES,
+    Runtime,
+    publish_recipes,
+    pull_recipes,
+    render_recipes,
+    shape_table,
+    site_profile,
+)
 
 
 @click.group(context_settings=CONTEXT)

@@ -2,26 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import asdict
 
 import click
 
-from imgpipe.base.errors import ImgpipeError
 from imgpipe.base.units import human_bytes
 from imgpipe.cli.clikit import CONTEXT, reporting, settings_of
 from imgpipe.cli.output import Result
-from imgpipe.commands.wiring import local_registry, registry_client
-from imgpipe.enroot.published import find_published
-from imgpipe.registry.client import RegistryClient
-from imgpipe.registry.inventory import (
-    remove_orphaned_artifacts,
-    remove_tag,
-    subjects_with_referrers,
-    tag_digests,
+from imgpipe.commands.registry import (
+    collect_garbage,
+    list_registry,
+    list_tags,
+    registry_status,
+    remove_image,
 )
-from imgpipe.registry.local import dir_bytes
-from imgpipe.registry.reference import Reference
-from imgpipe.registry.referrers import is_referrers_tag
+from imgpipe.commands.wiring import local_registry
 
 
 @click.group(context_settings=CONTEXT)
@@ -92,48 +87,17 @@ def status(ctx: click.Context) -> Result:
 
     Exits 1 when the registry does not answer.
     """
-    settings = settings_of(ctx)
-    local = local_registry(settings)
-    state = local.state()
-    data = {"url": settings.registry.url, "mode": state.mode, "reachable": False,
-            "storage_bytes": dir_bytes(local.data_dir) if state.mode != "external" else None,
-            "data_dir": local.data_dir if state.mode != "external" else None,
-            "repositories": None, "tags": None}
-    lines = [f"registry: {settings.registry.url}", f"mode:     {state.mode}"]
-    try:
-        client = registry_client(settings)
-        client.ping()
-        repositories = client.catalog()
-        tags = sum(len(client.listed_tags(repo)) for repo in repositories)
-    except ImgpipeError as exc:
-        data["error"] = exc.message
-        lines.append(f"reachable: no ({exc.message})")
+    status = registry_status(settings_of(ctx))
+    data = asdict(status)
+    lines = [f"registry: {status.url}", f"mode:     {status.mode}"]
+    if not status.reachable:
+        lines.append(f"reachable: no ({status.error})")
         return Result(data, lines, ok=False)
-    data.update(reachable=True, repositories=len(repositories), tags=tags)
     lines.append("reachable: yes")
-    stored = data["storage_bytes"]
-    if isinstance(stored, int):
-        lines.append(f"storage:  {human_bytes(stored)} in {local.data_dir}")
-    lines.append(f"content:  {len(repositories)} repositories, {tags} tags")
+    if status.storage_bytes is not None:
+        lines.append(f"storage:  {human_bytes(status.storage_bytes)} in {status.data_dir}")
+    lines.append(f"content:  {status.repositories} repositories, {status.tags} tags")
     return Result(data, lines)
-
-
-def _squashfs_of(client: RegistryClient, repository: str, tags: list[str]
-                 ) -> dict[str, list[str]]:
-    """tag -> the compressions of the squashfs published beside the manifest it names."""
-    subjects = subjects_with_referrers(tags)
-    if not subjects:
-        return {}
-    found: dict[str, list[str]] = {}
-    for tag in tags:
-        if is_referrers_tag(tag):
-            continue
-        digest = client.manifest_digest(repository, tag)
-        if digest in subjects:
-            kinds = sorted({p.compression for p in find_published(client, repository, digest)})
-            if kinds:
-                found[tag] = kinds
-    return found
 
 
 @registry.command(name="ls", context_settings=CONTEXT)
@@ -141,13 +105,7 @@ def _squashfs_of(client: RegistryClient, repository: str, tags: list[str]
 def list_repositories(ctx: click.Context) -> Result:
     """List every repository with its tags (pages through the whole catalog), and which
     tags have a squashfs published beside them (imgpipe push --squashfs)."""
-    client = registry_client(settings_of(ctx))
-    repositories: list[dict[str, Any]] = []
-    for repo in client.catalog():
-        listed = client.listed_tags(repo)
-        squashfs = _squashfs_of(client, repo, listed)
-        repositories.append({"name": repo, "squashfs": squashfs,
-                             "tags": sorted(t for t in listed if not is_referrers_tag(t))})
+    address, repositories = list_registry(settings_of(ctx))
     lines = []
     for r in repositories:
         line = f"{r['name']}  {', '.join(r['tags']) or '(no tags)'}"
@@ -157,7 +115,7 @@ def list_repositories(ctx: click.Context) -> Result:
         lines.append(line)
     if not repositories:
         lines = ["(the registry holds no repositories)"]
-    return Result({"registry": client.address, "repositories": repositories}, lines)
+    return Result({"registry": address, "repositories": repositories}, lines)
 
 
 @registry.command(context_settings=CONTEXT)
@@ -170,13 +128,9 @@ def tags(ctx: click.Context, repository: str) -> Result:
     Example:
       imgpipe registry tags local/bert --json
     """
-    settings = settings_of(ctx)
-    ref = Reference.parse(repository if "/" in repository or ":" not in repository
-                          else repository, default_registry=settings.registry.address)
-    client = registry_client(settings)
-    infos = tag_digests(client, ref.repository)
+    name, infos = list_tags(settings_of(ctx), repository)
     lines = [f"{info.tag:<24} {info.digest}" for info in infos] or ["(no tags)"]
-    return Result({"repository": ref.repository, "tags": infos}, lines)
+    return Result({"repository": name, "tags": infos}, lines)
 
 
 @registry.command(context_settings=CONTEXT)
@@ -196,11 +150,7 @@ def rm(ctx: click.Context, image: str, force: bool) -> Result:
     Example:
       imgpipe registry rm local/bert:0.1.0 --force && imgpipe registry gc
     """
-    settings = settings_of(ctx)
-    ref = Reference.parse(image, default_registry=settings.registry.address)
-    if ref.digest:
-        raise ImgpipeError("rm takes REPO:TAG", hint="name the tag, not a digest")
-    removal = remove_tag(registry_client(settings), ref.repository, ref.tag or "latest", force)
+    ref, removal = remove_image(settings_of(ctx), image, force)
     others = [t for t in removal.tags if t != ref.tag]
     lines = [f"deleted {ref.repository}@{removal.digest}"]
     if others:
@@ -228,12 +178,8 @@ def gc(ctx: click.Context, delete_untagged: bool) -> Result:
     is, and deleted first when it is gone.  The registry is stopped while the
     collector runs and started again after, as the registry requires.
     """
-    settings = settings_of(ctx)
-    local = local_registry(settings)
-    orphans = []
-    if local.state().mode in ("container", "binary"):
-        orphans = remove_orphaned_artifacts(registry_client(settings))
-    before, after = local.garbage_collect(delete_untagged)
+    collected = collect_garbage(settings_of(ctx), delete_untagged)
+    before, after, orphans = collected.before, collected.after, collected.orphans
     freed = max(before - after, 0)
     lines = [f"deleted {len(o.artifacts)} artifact(s) of {o.repository}@{o.digest[:19]}, "
              "which is gone" for o in orphans if o.artifacts]

@@ -31,13 +31,9 @@ def report(ctx: click.Context, results_dir: Path, output: Path | None,
       imgpipe report /lustre/bert/results
       imgpipe report build/demo/results -o /tmp/report --profile dgxa100
     """
-    from imgpipe.recipes.profiles import load_profile
-    from imgpipe.recipes.report import write_report
+    from imgpipe.commands.report import make_report
 
-    settings = settings_of(ctx)
-    folder = settings.recipes.profiles_dir
-    profile = load_profile(profile_name, settings.path(folder) if folder else None)
-    made = write_report(results_dir, output, profile.busbw_gbs)
+    made = make_report(settings_of(ctx), results_dir, output, profile_name)
     lines = [f"report: {made['report']}"] + [f"  plot: {p}" for p in made["plots"]]
     for phase, numbers in made["summary"].items():
         if phase.startswith("phase"):

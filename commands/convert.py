@@ -17,6 +17,8 @@ from imgpipe.pipeline.catalog import load_catalog
 from imgpipe.pipeline.lock import LockEntry, PlatformPin, lock_path, updating_lock
 from imgpipe.registry.reference import Reference
 
+__all__ = ["Conversion", "convert_and_record", "convert_each_platform"]
+
 
 def convert_and_record(settings: Settings, target: str, flavor: str, compression: str | None,
                        with_enroot: bool, progress: Progress, no_published: bool = False,

@@ -281,6 +281,17 @@ def adopt_pushed(settings: Settings, names: tuple[str, ...], flavor: str | None,
     return adopted
 
 
+def lock_file(settings: Settings) -> Path:
+    """This checkout's imgpipe.lock."""
+    return lock_path(settings.root)
+
+
+def selftest_named(settings: Settings, name: str, flavor: str, progress: Progress) -> str:
+    """``run_selftest`` of the catalog's image ``name`` (an unknown name is an error)."""
+    [image] = select(load_catalog(settings), [name])
+    return run_selftest(settings, image, flavor, progress)
+
+
 def run_selftest(settings: Settings, image: Image, flavor: str, progress: Progress) -> str:
     """The image's self-test in a container (no network), its last line: of this
     checkout's last build when the engine still has it, else of the pushed manifest

@@ -22,7 +22,8 @@ from imgpipe.enroot.convert import Conversion, convert, convert_privately, resol
 from imgpipe.enroot.errors import VerifyError
 from imgpipe.enroot.published import PublishedSquashfs, described, find_published, publish
 from imgpipe.enroot.storage import Storage
-from imgpipe.pipeline.lock import lock_path, updating_lock
+from imgpipe.pipeline.catalog import load_catalog, select
+from imgpipe.pipeline.lock import lock_path, read_lock, updating_lock
 from imgpipe.registry.reference import Reference
 
 
@@ -141,3 +142,17 @@ def verify(settings: Settings, target: str, flavor: str, compression: str | None
         _record_pin(settings, image.name, flavor, digest, options.compression, local_digest)
     return Verified(str(ref), digest, options.compression, local_digest,
                     [p.blob for p in published], local.seconds)
+
+
+def publish_all(settings: Settings, images: tuple[str, ...], flavor: str | None,
+                pushed: list[tuple[str, str]], progress: Progress) -> list[Published]:
+    """Publish the squashfs of every (image, flavor) just pushed or recorded; with none,
+    of what the lock pins for ``images`` (default: all) in ``flavor`` (publishing again is a
+    no-op)."""
+    keys = list(pushed)
+    if not keys:
+        wanted = flavor or settings.default_flavor
+        lock = read_lock(lock_path(settings.root))
+        keys = [(image.name, wanted) for image in select(load_catalog(settings), list(images))
+                if lock.entry(image.name, wanted) is not None]
+    return [p for name, one in keys for p in publish_squashfs(settings, name, one, progress)]

@@ -19,8 +19,19 @@ from imgpipe.enroot.storage import converted_digest
 from imgpipe.pipeline.lock import LockEntry, PlatformPin, lock_path, read_lock
 from imgpipe.recipes.profiles import Profile, load_profile
 from imgpipe.recipes.render import Bundle, RecipeInputs, render_bundle
-from imgpipe.recipes.runtimes import Runtime
+from imgpipe.recipes.runtimes import RUNTIMES, Runtime
+from imgpipe.recipes.scaling import Shape
+from imgpipe.recipes.scaling import table as scaling_table
 from imgpipe.registry.reference import Reference
+
+__all__ = ["RUNTIMES", "Runtime", "pin", "publish_recipes", "pull_recipes", "render_recipes",
+           "shape_table", "site_profile"]
+
+
+def shape_table(profile: Profile, max_nodes: int) -> list[Shape]:
+    """Every shape from 1 to ``max_nodes`` nodes (powers of two) that keeps the global
+    batch: batch, accumulation and learning rate of each."""
+    return scaling_table(profile, max_nodes)
 
 
 def profiles_dir(settings: Settings) -> Path | None:

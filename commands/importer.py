@@ -1,0 +1,321 @@
+"""The Pyxis importer's work on imgpipe's shared squashfs cache (the program is
+``imgpipe.cli.importer``; plugstack: ``importer=PATH``).
+
+Pyxis (0.21+) runs ``IMPORTER get URI`` and takes the squashfs path printed on
+stdout, then ``IMPORTER release`` when the step ends.  URI comes in Enroot's
+form (``docker://[USER@][REGISTRY#]IMAGE[:TAG]``).  ``get`` converts under the
+digest's lock when needed, so the first job to need a digest converts it and
+every other node reuses the file, or fetches the squashfs published beside the
+image when the job's IMGPIPE_SQUASHFS_PINS (the recipes set it) names its digest.
+``release`` never deletes a shared cache
+entry; it only ends this step's recorded use, and may be called any number of
+times.  What goes to stderr is what the user sees when the import fails.
+
+With Pyxis's squashfuse mode a job starts in well under a second, so ``get`` for a
+digest already converted answers on a fast path: the standard library, yaml and
+imgpipe's light modules only (no pydantic, no requests), no network for a digest and
+one HEAD request for a tag.  Anything it does not recognise (credentials, TLS, an
+index, a digest not converted yet) goes the full way.
+
+Configuration comes from ``$IMGPIPE_CONFIG`` or ``/etc/imgpipe/imgpipe.yaml``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+SITE_CONFIG = "/etc/imgpipe/imgpipe.yaml"
+# The defaults of imgpipe.base.config that the fast path reads (a test keeps them equal).
+DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SCHEME = "127.0.0.1", 5000, "http"
+DEFAULT_SQUASHFS_DIR = "build/squashfs"
+
+
+def _record_dir() -> str:
+    """A folder of this user's alone for the step records: $XDG_RUNTIME_DIR, else
+    ~/.cache/imgpipe (never a predictable name in a shared /tmp); made 0700 and checked to
+    be the user's own, not a link."""
+    import stat
+
+    candidates = [os.environ.get("XDG_RUNTIME_DIR", "")]
+    home = os.path.expanduser("~")
+    if home and home != "~":
+        candidates.append(os.path.join(home, ".cache", "imgpipe"))
+    for folder in filter(None, candidates):
+        try:
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            info = os.lstat(folder)
+        except OSError:
+            continue
+        if (stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()
+                and not info.st_mode & 0o077):
+            return folder
+    raise OSError(f"no private folder for the step record: neither $XDG_RUNTIME_DIR nor "
+                  f"{candidates[-1]} is a folder of yours alone (mode 0700)")
+
+
+def _step_record() -> str:
+    """This user's record of what this step got (the release path needs only ``os``)."""
+    import socket
+
+    job = os.environ.get("SLURM_JOB_ID", "nojob")
+    step = os.environ.get("SLURM_STEP_ID", "nostep")
+    return os.path.join(_record_dir(), f"importer.{socket.gethostname()}.{job}.{step}")
+
+
+def _config_file() -> str | None:
+    return os.environ.get("IMGPIPE_CONFIG") or (SITE_CONFIG if os.path.isfile(SITE_CONFIG)
+                                                 else None)
+
+
+_QUICK: dict[str | None, dict[str, Any] | None] = {}
+
+
+def _quick() -> dict[str, Any] | None:
+    """quick_settings of this process's config file, read once."""
+    path = _config_file()
+    if path not in _QUICK:
+        _QUICK[path] = quick_settings(path)
+    return _QUICK[path]
+
+
+def quick_settings(path: str | None) -> dict[str, Any] | None:
+    """The few settings the fast path needs, read with yaml alone; None when the file
+    says anything the fast path would have to interpret (then the full loader decides)."""
+    from pathlib import Path
+
+    import yaml
+
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path) as handle:
+                raw = yaml.load(handle, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        except (OSError, yaml.YAMLError):
+            return None
+        if not isinstance(raw, dict):
+            return None
+    registry = raw.get("registry") or {}
+    outputs = raw.get("outputs") or {}
+    enroot = raw.get("enroot") or {}
+    if not all(isinstance(x, dict) for x in (registry, outputs, enroot)):
+        return None
+    root = Path(path).resolve().parent if path else Path.cwd()
+    folder = Path(str(outputs.get("squashfs_dir", DEFAULT_SQUASHFS_DIR)))
+    credentials = (registry.get("credentials") or {}).get("source", "none")
+    owner = enroot.get("cache_owner")
+    if owner is not None and not isinstance(owner, str):
+        return None
+    return {
+        "cache_owner": owner,
+        "address": f"{registry.get('host', DEFAULT_HOST)}:{registry.get('port', DEFAULT_PORT)}",
+        "scheme": registry.get("scheme", DEFAULT_SCHEME),
+        "plain": credentials == "none" and not registry.get("ca_file"),
+        "squashfs_dir": (folder if folder.is_absolute() else root / folder).resolve(),
+        "compression": enroot.get("compression")
+        or ("lz4" if enroot.get("squashfuse") is True else "zstd"),
+    }
+
+
+def _connect(scheme: str, address: str) -> Any:
+    import http.client
+
+    host, _, port = address.rpartition(":")
+    kind = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
+    return kind(host, int(port), timeout=5)
+
+
+def _head_digest(scheme: str, address: str, repository: str, tag: str) -> str | None:
+    """The manifest digest a tag names, by one HEAD (an index: its entry for this node's
+    platform, by one GET more); None for anything odd."""
+    import http.client
+
+    from imgpipe.registry.mediatypes import INDEX_TYPES, MANIFEST_ACCEPT
+
+    try:
+        connection = _connect(scheme, address)
+        connection.request("HEAD", f"/v2/{repository}/manifests/{tag}",
+                           headers={"Accept": MANIFEST_ACCEPT})
+        response = connection.getresponse()
+        connection.close()
+    except (OSError, http.client.HTTPException, ValueError):
+        return None
+    media_type = (response.getheader("Content-Type") or "").split(";")[0].strip()
+    digest = str(response.getheader("Docker-Content-Digest") or "")
+    if response.status != 200 or not digest:
+        return None
+    if media_type in INDEX_TYPES:
+        return _platform_entry(scheme, address, repository, digest)
+    return digest
+
+
+def _platform_entry(scheme: str, address: str, repository: str, digest: str) -> str | None:
+    """This node's manifest in the index ``digest`` (IMGPIPE_PLATFORM, else uname -m), by
+    one GET whose bytes must hash to ``digest`` (so nothing is trusted that the digest does
+    not pin); ``digest`` itself when it names a plain manifest; None for anything odd."""
+    import hashlib
+    import http.client
+    import json
+
+    from imgpipe.base.platforms import node_platform
+    from imgpipe.registry.mediatypes import INDEX_TYPES, MANIFEST_ACCEPT
+
+    try:
+        connection = _connect(scheme, address)
+        connection.request("GET", f"/v2/{repository}/manifests/{digest}",
+                           headers={"Accept": MANIFEST_ACCEPT})
+        response = connection.getresponse()
+        body = response.read(4 << 20)
+        connection.close()
+        if response.status != 200 or f"sha256:{hashlib.sha256(body).hexdigest()}" != digest:
+            return None
+        served = json.loads(body)
+        if served.get("mediaType") not in INDEX_TYPES:
+            return digest
+        platform = node_platform()
+        for entry in served.get("manifests") or []:
+            wanted = entry.get("platform") or {}
+            child = entry.get("digest")
+            if (wanted.get("os"), wanted.get("architecture")) == (
+                    platform.os, platform.architecture) and isinstance(child, str) \
+                    and child.startswith("sha256:") and len(child) == 71:
+                return child
+    except (OSError, http.client.HTTPException, ValueError, AttributeError):
+        return None
+    return None
+
+
+def fast_get(uri: str) -> Path | None:
+    """The squashfs of an already converted image, or None to take the full path."""
+    from imgpipe.enroot.pins import Pins
+    from imgpipe.enroot.storage import Storage
+    from imgpipe.enroot.trust import CacheTrust
+    from imgpipe.registry.errors import ReferenceFormatError
+    from imgpipe.registry.reference import Reference
+
+    quick = _quick()
+    if quick is None:
+        return None
+    try:
+        ref = Reference.parse(uri, default_registry=quick["address"])
+    except ReferenceFormatError:
+        return None
+    if ref.registry != quick["address"]:
+        return None  # the full path refuses it with its one line
+    online = quick["plain"] and quick["scheme"] in ("http", "https")
+    digest = ref.digest
+    if digest is None:
+        if not online:
+            return None
+        digest = _head_digest(quick["scheme"], quick["address"], ref.repository,
+                              ref.reference)
+        if digest is None:
+            return None
+    try:
+        storage = Storage(quick["squashfs_dir"], CacheTrust.of(quick["cache_owner"]))
+        if storage.shared and not quick["squashfs_dir"].stat().st_mode & 0o1000:
+            return None  # the full path refuses it with its one line
+
+        def find(manifest: str) -> Path | None:
+            return storage.find_squashfs(ref.repository, manifest, quick["compression"],
+                                         Pins.from_env().for_image(manifest), _say)
+
+        found = find(digest)
+        if found is None and ref.digest is not None and online:
+            # a pinned index: this node's platform's manifest keys the cache
+            child = _platform_entry(quick["scheme"], quick["address"], ref.repository, digest)
+            found = find(child) if child and child != digest else None
+        return found
+    except Exception:  # anything unexpected: the full path, with its errors, decides
+        return None
+
+
+def _say(text: str) -> None:
+    print(f"imgpipe: {text}", file=sys.stderr, flush=True)
+
+
+def get(uri: str) -> Path:
+    from imgpipe.base.config import load_settings
+    from imgpipe.commands.wiring import registry_client, storage
+    from imgpipe.enroot.convert import convert, require_served
+    from imgpipe.enroot.publishedpolicy import PublishedPolicy
+    from imgpipe.enroot.squash import SquashOptions, compression_of
+    from imgpipe.registry.reference import Reference
+
+    settings = load_settings(_config_file())
+    ref = Reference.parse(uri, default_registry=settings.registry.address)
+    enroot = settings.enroot
+    cache = storage(settings)
+    if enroot.cache_writer and cache.shared and not cache.trust.is_admin:
+        from imgpipe.commands.cachewriter import ask_writer
+
+        require_served(ref, settings.registry.address)
+        ask_writer(settings, ref, _say)  # the shared entry, for every user; else our own
+    conversion = convert(
+        registry_client(settings), storage(settings), ref,
+        SquashOptions(compression_of(enroot.default_compression), enroot.zstd_level,
+                      enroot.processors, enroot.verify_diff_ids),
+        say=_say,
+        connections=enroot.max_connections,
+        published=PublishedPolicy(enroot.published, unpinned=enroot.published_unpinned))
+    if conversion.converted and enroot.cache_max_size:
+        from imgpipe.base.units import parse_size
+        from imgpipe.enroot.usage import prune
+
+        prune(storage(settings), max_size=parse_size(enroot.cache_max_size))
+    return conversion.path
+
+
+def record_step(squashfs: Path) -> None:
+    """Record this step's use of ``squashfs`` (so prune keeps it) and remember it for
+    release, in a file only this user reads, never written through a link."""
+    from imgpipe.enroot.storage import Storage
+    from imgpipe.enroot.trust import CacheTrust
+    from imgpipe.enroot.usage import record_use
+
+    quick = _quick() or {}
+    cache = Storage(squashfs.parent, CacheTrust.of(quick.get("cache_owner")))
+    marker = record_use(cache, squashfs, os.environ.get("SLURM_JOB_ID", "nojob"),
+                        os.environ.get("SLURM_STEP_ID", "nostep"))
+    record = _step_record()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(record)
+    fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(f"{cache.uses.resolve()}\n{marker.name}\n")
+
+
+def release() -> None:
+    """End this step's use of the entry it got; the shared file itself always stays.  The
+    record must be this user's own regular file, and the marker it names this user's,
+    directly in the configured cache's uses folder (compared after resolving the path)."""
+    import stat
+
+    record = _step_record()
+    try:
+        fd = os.open(record, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return  # released already (Pyxis calls release twice), or nothing was got
+    with os.fdopen(fd) as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            raise OSError(f"{record} is not your own step record: refused")
+        lines = handle.read(8192).splitlines()
+    quick = _quick() or {}
+    configured = quick.get("squashfs_dir")
+    if len(lines) == 2 and configured is not None:
+        uses, name = lines
+        mine = f"~{os.getuid()}~"
+        expected = os.path.join(os.path.realpath(configured), ".imgpipe", "uses")
+        if "/" not in name and mine in name and os.path.realpath(uses) == expected == uses:
+            marker = os.path.join(uses, name)
+            with contextlib.suppress(FileNotFoundError):
+                if os.lstat(marker).st_uid == os.getuid():
+                    os.unlink(marker)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(record)

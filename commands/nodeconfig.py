@@ -1,0 +1,42 @@
+"""`imgpipe node-config`: what compute nodes need (enroot.conf, plugstack.conf and the
+install lines, by the nodes' Pyxis and Enroot), and setting the shared cache up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from imgpipe.base.config import Settings
+from imgpipe.commands.wiring import storage
+from imgpipe.enroot.cachelayout import make_layout
+from imgpipe.enroot.nodeconfig import (
+    PYXIS_SO_CANDIDATES,
+    NodeConfig,
+    Version,
+    detect_pyxis,
+    enroot_location,
+    importer_path,
+    parse_version,
+    render,
+)
+
+__all__ = ["make_cache", "node_setup", "parse_version"]
+
+
+def node_setup(settings: Settings, pyxis_version: Version | None, pyxis_plugin: str | None,
+               enroot_path: str | None, importer: str | None, squashfuse: bool
+               ) -> NodeConfig:
+    """The nodes' configuration for the Pyxis found here (or named), and its plugin path."""
+    detected = detect_pyxis((pyxis_plugin,) if pyxis_plugin else PYXIS_SO_CANDIDATES)
+    version = pyxis_version or (detected[1] if detected else None)
+    plugin = pyxis_plugin or (detected[0] if detected else PYXIS_SO_CANDIDATES[0])
+    return render(settings, importer or importer_path(), version, plugin,
+                  enroot_path or enroot_location(), squashfuse=squashfuse)
+
+
+def make_cache(settings: Settings, folder: str, group: str | None
+               ) -> tuple[Path, list[str], str]:
+    """Set the shared squashfs folder up (``folder``, default outputs.squashfs_dir): its
+    root, what was done (a line each), and who owns its layout."""
+    cache = storage(settings, Path(folder).resolve() if folder else None)
+    done = make_layout(cache, group)
+    return cache.root, done, cache.trust.admin_names()
