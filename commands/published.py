@@ -13,7 +13,7 @@ import shutil
 from dataclasses import dataclass
 
 from imgpipe.base.config import Settings
-from imgpipe.base.files import file_sha256, owner_tag
+from imgpipe.base.files import file_sha256
 from imgpipe.base.platforms import Platform
 from imgpipe.base.progress import Progress
 from imgpipe.commands.pushed import catalog_image, require_pushed
@@ -121,8 +121,7 @@ def verify(settings: Settings, target: str, flavor: str, compression: str | None
         raise VerifyError(f"{name} has no published squashfs ({options.compression})",
                           hint="publish one: imgpipe push --squashfs")
     cache.prepare()
-    work = cache.tmp / f"verify-{digest.split(':')[1][:16]}{owner_tag()}"  # swept if orphaned
-    work.mkdir(parents=True)
+    work = cache.private_work(f"verify-{digest.split(':')[1][:16]}")  # this user's alone
     try:
         local = convert_privately(client, cache, ref.with_digest(digest), options,
                                   work / "local.sqsh", say=progress.step,

@@ -21,7 +21,7 @@ from typing import Any
 
 from imgpipe.base.files import read_regular
 from imgpipe.enroot.errors import BlobDigestError, ConvertError
-from imgpipe.enroot.storage import Storage, digest_hex
+from imgpipe.enroot.storage import Storage
 from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.errors import DigestMismatchError, RegistryError
 from imgpipe.registry.manifests import Manifest
@@ -64,7 +64,7 @@ def fetch_blob_cached(client: RegistryClient, storage: Storage, repository: str,
         try:
             path.rmdir() if stat.S_ISDIR(info.st_mode) else path.unlink()
         except OSError:
-            path = storage.private_dir() / digest_hex(digest)
+            path = storage.private_blob(digest)
             if path.exists():
                 return path, 0
     for attempt in range(1, ATTEMPTS + 1):
@@ -93,7 +93,7 @@ def read_config(client: RegistryClient, storage: Storage, repository: str, diges
     except OSError:
         raw = b""
     if f"sha256:{hashlib.sha256(raw).hexdigest()}" != digest:
-        private = storage.private_dir() / digest.replace(":", "-")
+        private = storage.private_config(digest)
         client.fetch_blob(repository, digest, private)
         raw = read_regular(private)
         private.unlink(missing_ok=True)

@@ -194,7 +194,7 @@ def publish(client: RegistryClient, repository: str, subject: Manifest, squashfs
 def partial_path(storage: Storage, blob: str) -> Path:
     """Where this user's download of ``blob`` collects: in the user's private folder (no
     other user can name or plant it there), kept for a resume, swept after a day."""
-    return storage.private_dir() / f"sqsh-{blob.partition(':')[2]}.part"
+    return storage.partial_download(blob)
 
 
 def described(path: Path) -> list[tuple[str, str, int]]:

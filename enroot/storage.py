@@ -201,6 +201,25 @@ class Storage:
                     hint=f"ask an admin to remove it: it was planted in {self.tmp}") from None
         return folder
 
+    def private_blob(self, digest: str) -> Path:
+        """This user's own copy of a blob whose shared name another user planted on."""
+        return self.private_dir() / digest_hex(digest)
+
+    def private_config(self, digest: str) -> Path:
+        """Where this user fetches an image config again whose cached bytes did not match."""
+        return self.private_dir() / digest.replace(":", "-")
+
+    def partial_download(self, blob: str) -> Path:
+        """Where this user's download of a published squashfs collects: kept for a resume,
+        swept after a day."""
+        return self.private_dir() / f"sqsh-{digest_hex(blob)}.part"
+
+    def private_work(self, purpose: str) -> Path:
+        """A new work folder of this user's (``verify-…``): no other user can name it."""
+        import tempfile  # not on the importer's fast path
+
+        return Path(tempfile.mkdtemp(prefix=f"{purpose}-", dir=self.private_dir()))
+
     def _name(self, stem: str) -> str:
         return f"{stem}.u{self.trust.me}.sqsh" if self._own_names else f"{stem}.sqsh"
 
