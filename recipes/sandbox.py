@@ -363,11 +363,11 @@ class Sandbox:
         if state is None:
             return {"up": False}
         nodes: dict[str, str] = {}
-        alive = {label: alive(pid) for label, pid in state.pids.items()}
-        if alive.get("slurmctld"):
+        running = {label: alive(pid) for label, pid in state.pids.items()}
+        if running.get("slurmctld"):
             result = self.run(["sinfo", "-h", "-N", "-o", "%N %t"], timeout=20)
             nodes = dict(line.split() for line in result.stdout.splitlines() if line.strip())
-        return {"up": all(alive.values()), "daemons": alive, "nodes": nodes,
+        return {"up": all(running.values()), "daemons": running, "nodes": nodes,
                 "hosts": [asdict(h) for h in self.spec.hosts], "conf": str(self.conf)}
 
 
