@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import statistics
 import sys
 import tempfile
@@ -24,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from imgpipe.enroot.convert import convert  # noqa: E402
-from imgpipe.enroot.layerstream import open_layer  # noqa: E402
+from imgpipe.enroot.decoder import Blob, tar_chunks  # noqa: E402
 from imgpipe.enroot.squash import SquashOptions  # noqa: E402
 from imgpipe.enroot.storage import Storage  # noqa: E402
 from imgpipe.registry.client import RegistryClient  # noqa: E402
@@ -45,14 +46,17 @@ def hashing_seconds(blob: Path) -> tuple[float, float, int, int]:
             digest.update(data)
             compressed += time.perf_counter() - started
             c_bytes += len(data)
-    reader = open_layer(blob)
-    with reader:
+    source = Blob(str(blob), hashing=False)
+    try:
         digest = hashlib.sha256()
-        while data := reader.raw.read(CHUNK):
+        magic = os.pread(source.handle.fileno(), 4, 0)
+        for data in tar_chunks(source, magic):
             started = time.perf_counter()
             digest.update(data)
             uncompressed += time.perf_counter() - started
             u_bytes += len(data)
+    finally:
+        source.close()
     return compressed, uncompressed, c_bytes, u_bytes
 
 

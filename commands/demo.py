@@ -249,14 +249,7 @@ def run(args: argparse.Namespace) -> int:
     spec = SandboxSpec(root=ROOT / "build" / "state" / "sandbox", compute_nodes=2,
                        cpus=max(2, os.cpu_count() or 2))
     if args.down:
-        stopped = imgpipe("sandbox", "down", capture=True)
-        registry = imgpipe("registry", "down", capture=True)
-        say(("sandbox stopped" if stopped.get("stopped") else
-             f"sandbox left running: started from {stopped.get('owner')}") + "; " +
-            ("registry stopped" if registry.get("stopped") else
-             "registry left running: not started from this checkout"
-             if registry.get("mode") == "external" else "registry was not running"))
-        return 0
+        return stop_demo()
     state = load_state()
     shared: list[str] = []
     converted = images(state, shared)
@@ -277,16 +270,10 @@ def run(args: argparse.Namespace) -> int:
         say(f"using {' and '.join(shared)}, started from another checkout: this demo "
             "leaves them running")
     recipes = work / "recipes"
-    config_file = work / "imgpipe-demo.yaml"
-    config_file.write_text(json.dumps({"recipes": {
+    configs = render_recipes(work, recipes, {
         "data_dir": str(data), "checkpoint_dir": str(ckpt), "results_dir": str(results),
-        "dataset_source": str(corpus), "vocab": str(vocab), "bert_config": str(config)}}))
-    rendered = imgpipe("--config", str(config_file), "recipes", "render", "--profile",
-                       "local", "--nodes", "2", "--runtime", "charliecloud", "--image",
-                       str(squashfs), "-o", str(recipes), capture=True)
-    configs = {s["phase"]: recipes / (f"config_{s['nodes']}x{s['gpus_per_node']}x"
-                                      f"{s['per_gpu_batch']}x{s['accumulation']}.sh")
-               for s in rendered["shapes"]}
+        "dataset_source": str(corpus), "vocab": str(vocab), "bert_config": str(config)},
+        squashfs)
     # Four ranks share this machine's cores: one thread each (a node would set its own).
     # LOG_FREQ=10: each logged loss is the mean of 10 steps (a 16-sequence step's loss alone
     # varies by +-0.5), so the first and final losses compare means, as NVIDIA's recipe logs.
@@ -335,6 +322,31 @@ def run(args: argparse.Namespace) -> int:
     made = imgpipe("report", str(results), capture=True)
     print_summary(pins, jobs, made, recipes, time.monotonic() - started)
     return 0
+
+
+def stop_demo() -> int:
+    """`--down`: stop the sandbox and the registry this checkout started."""
+    stopped = imgpipe("sandbox", "down", capture=True)
+    registry = imgpipe("registry", "down", capture=True)
+    say(("sandbox stopped" if stopped.get("stopped") else
+         f"sandbox left running: started from {stopped.get('owner')}") + "; " +
+        ("registry stopped" if registry.get("stopped") else
+         "registry left running: not started from this checkout"
+         if registry.get("mode") == "external" else "registry was not running"))
+    return 0
+
+
+def render_recipes(work: Path, recipes: Path, folders: dict[str, str], squashfs: Path
+                   ) -> dict[int, Path]:
+    """The demo's recipes under ``recipes``; each phase's config file."""
+    config_file = work / "imgpipe-demo.yaml"
+    config_file.write_text(json.dumps({"recipes": folders}))
+    rendered = imgpipe("--config", str(config_file), "recipes", "render", "--profile",
+                       "local", "--nodes", "2", "--runtime", "charliecloud", "--image",
+                       str(squashfs), "-o", str(recipes), capture=True)
+    return {s["phase"]: recipes / (f"config_{s['nodes']}x{s['gpus_per_node']}x"
+                                   f"{s['per_gpu_batch']}x{s['accumulation']}.sh")
+            for s in rendered["shapes"]}
 
 
 def fill_mask(results: Path, corpus: Path) -> None:

@@ -265,7 +265,7 @@ def get(uri: str) -> Path:
         published=PublishedPolicy(enroot.published, unpinned=enroot.published_unpinned))
     if conversion.converted and enroot.cache_max_size:
         from imgpipe.base.units import parse_size
-        from imgpipe.enroot.usage import prune
+        from imgpipe.enroot.cacheuse import prune
 
         prune(storage(settings), max_size=parse_size(enroot.cache_max_size))
     return conversion.path
@@ -274,9 +274,9 @@ def get(uri: str) -> Path:
 def record_step(squashfs: Path) -> None:
     """Record this step's use of ``squashfs`` (so prune keeps it) and remember it for
     release, in a file only this user reads, never written through a link."""
+    from imgpipe.enroot.cacheuse import record_use
     from imgpipe.enroot.storage import Storage
     from imgpipe.enroot.trust import CacheTrust
-    from imgpipe.enroot.usage import record_use
 
     quick = _quick() or {}
     cache = Storage(squashfs.parent, CacheTrust.of(quick.get("cache_owner")))

@@ -47,13 +47,12 @@ def make_layout(storage: Storage, group: str | None = None) -> list[str]:
         if make_shared_dir(folder, folder_mode):
             done.append(f"made {folder}")
         _adopt(storage, folder, owner, gid, folder_mode, done)
-    version = storage.meta / "VERSION"
+    version = storage.version_file
     why = check_entry(version, storage.trust)
     if why:  # "" is nothing there yet: written below
         raise ConvertError(f"{version}: {why}",
                            hint=f"remove it; it was not written by {storage.trust.admin_names()}")
-    for path, text in ((version, LAYOUT_VERSION + "\n"), (storage.meta / "CACHEDIR.TAG",
-                                                         CACHEDIR_TAG)):
+    for path, text in ((version, LAYOUT_VERSION + "\n"), (storage.cachedir_tag, CACHEDIR_TAG)):
         if not path.exists():
             atomic_write(path, text, mode=0o644)
             os.chown(path, owner, gid, follow_symlinks=False)

@@ -21,24 +21,25 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any, cast
 
-from imgpipe.base.files import SquashfsPath, atomic_path, file_sha256
+from imgpipe.base.files import SquashfsPath, atomic_path
 from imgpipe.base.platforms import Platform, node_platform
+from imgpipe.enroot.blobrepair import fetch_again, spoiled_blobs
 from imgpipe.enroot.errors import (
     BlobDigestError,
     ConvertError,
     HostileLayerError,
     NoSpaceError,
 )
-from imgpipe.enroot.fetch import MAX_CONNECTIONS, ImageFetch, fetch_blob_cached, fetch_image
-from imgpipe.enroot.flatten import write_stream, write_tree
-from imgpipe.enroot.layerstream import LayerSource
-from imgpipe.enroot.merge import LayerCounts, MergedView, merge
-from imgpipe.enroot.onepass import TwoPassesNeeded, write_stream_once
+from imgpipe.enroot.fetch import MAX_CONNECTIONS, ImageFetch, fetch_image
+from imgpipe.enroot.layerreader import LayerSource
 from imgpipe.enroot.publishedpolicy import PublishedPolicy, fetch_trusted
 from imgpipe.enroot.rcfiles import rc_files
 from imgpipe.enroot.sources import Arrivals, layer_sources
 from imgpipe.enroot.squash import SquashOptions, squash_stream, squash_tree
 from imgpipe.enroot.storage import Storage
+from imgpipe.enroot.streamer import TwoPassesNeeded, write_stream_once
+from imgpipe.enroot.view import LayerCounts, MergedView, merge
+from imgpipe.enroot.viewwriter import write_stream, write_tree
 from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.errors import RegistryError
 from imgpipe.registry.reference import Reference
@@ -223,7 +224,7 @@ def _fetch_published(client: RegistryClient, storage: Storage, target: _Target,
 
 
 def _convert_with_enroot(client: RegistryClient, target: _Target) -> Conversion:
-    from imgpipe.enroot.delegate import enroot_import
+    from imgpipe.enroot.enrootimport import enroot_import
 
     target.say(f"enroot import {target.ref.repository}@{target.digest[:19]}")
     # enroot refuses to write over an existing file: the temporary name must not exist yet
@@ -276,14 +277,14 @@ def _convert_arriving(client: RegistryClient, storage: Storage, target: _Target,
                     work = storage.work_dir(target.digest, view.file_bytes)
                 return _squash_tree(target, arrivals, layers, view, work)
             except (BlobDigestError, HostileLayerError) as exc:
-                spoiled = _spoiled_blobs(layers, exc)
+                spoiled = spoiled_blobs(layers, exc)
                 if attempt == 2 or not spoiled:
                     raise
                 if ready is not None:
                     layers, ready = _all_or_raise(arrivals, exc), None
                 if work is None:
                     work = storage.work_dir(target.digest)
-                layers = _fetch_again(client, storage, target.ref.repository, layers, spoiled,
+                layers = fetch_again(client, storage, target.ref.repository, layers, spoiled,
                                       work, target.say)
         raise AssertionError("unreachable")
     finally:
@@ -317,42 +318,6 @@ def _out_of_space(exc: BaseException) -> bool:
     return "No space left on device" in str(exc) or "No space left" in str(exc)
 
 
-def _spoiled_blobs(layers: list[LayerSource], exc: Exception) -> set[str]:
-    """The layers whose cached bytes no longer match their digest.  A corrupt or truncated
-    cached blob fails like a broken layer, so on a layer error every blob is checked
-    before the image is blamed."""
-    if isinstance(exc, BlobDigestError):
-        return {exc.digest}
-    return {layer.digest for layer in layers  # a blob still being fetched is checked then
-            if layer.path.exists() and f"sha256:{file_sha256(layer.path)}" != layer.digest}
-
-
-def _fetch_again(client: RegistryClient, storage: Storage, repository: str,
-                 layers: list[LayerSource], spoiled: set[str], work: Path,
-                 say: Callable[[str], None]) -> list[LayerSource]:
-    """Evict the spoiled cache entries and fetch them once more.  An entry another user owns
-    (the shared folder is sticky) cannot be removed: this conversion then uses a private copy
-    in its work area, and says whose file is bad."""
-    fresh = []
-    for layer in layers:
-        if layer.digest not in spoiled:
-            fresh.append(layer)
-            continue
-        try:
-            layer.path.unlink(missing_ok=True)
-            path, _ = fetch_blob_cached(client, storage, repository, layer.digest)
-            say(f"cached blob {layer.digest[:19]} did not match its digest: evicted and "
-                "fetched again")
-        except PermissionError:
-            owner = layer.path.stat().st_uid
-            path = work / layer.digest.replace(":", "-")
-            client.fetch_blob(repository, layer.digest, path)
-            say(f"cached blob {layer.digest[:19]} (owned by uid {owner}) does not match its "
-                "digest and cannot be removed by this user: using a private copy")
-        fresh.append(LayerSource(layer.digest, path, layer.diff_id))
-    return fresh
-
-
 class _Counted(io.RawIOBase):
     """A writable stream that tells ``advance`` how many bytes went through."""
 
@@ -376,9 +341,9 @@ class _Counted(io.RawIOBase):
 def _squash_stream(target: _Target, arrivals: Arrivals, layers: list[LayerSource],
                    rc: dict[str, tuple[str, int]],
                    ready: Callable[[int], LayerSource] | None) -> Conversion:
-    """Stream the flattened root into tar2sqfs, each layer read once (``enroot.onepass``)
+    """Stream the flattened root into tar2sqfs, each layer read once (``enroot.streamer``)
     as it arrives (``ready``; None: all in place); layers that pass cannot place are
-    merged first and read twice (``enroot.flatten``)."""
+    merged first and read twice (``enroot.viewwriter``)."""
     options, repository = target.options, target.ref.repository
     target.say(f"squash with {options.compression} ({options.tool}), one pass over "
                f"{len(layers)} layer(s)")

@@ -111,13 +111,9 @@ def takes_digests(version: Version | None) -> bool:
     return version is None or version >= DIGEST_REFERENCES_SINCE
 
 
-def render(settings: Settings, importer_path: str, pyxis_version: Version | None = None,
-           pyxis_so: str = PYXIS_SO_CANDIDATES[0], enroot_path: str | None = None,
-           squashfuse: bool = True) -> NodeConfig:
+def _enroot_conf(settings: Settings, mounting: bool) -> list[str]:
+    """The enroot.conf lines."""
     registry = settings.registry
-    squashfs = settings.path(settings.outputs.squashfs_dir).resolve()
-    notes: list[str] = []
-    mounting = squashfuse and pyxis_version is not None and pyxis_version >= SQUASHFUSE_SINCE
     # Files Enroot makes itself: smallest (zstd) when jobs unpack them, fastest to read
     # through FUSE (lz4) when jobs mount them (bench/bench_squashfuse.py).
     squash_options = "-comp lz4" if mounting else "-comp zstd -Xcompression-level 3"
@@ -141,6 +137,13 @@ def render(settings: Settings, importer_path: str, pyxis_version: Version | None
         ca = settings.path(registry.ca_file).resolve()
         lines.append(f"SSL_CERT_FILE {ca}")
 
+    return lines
+
+
+def _pyxis_options(settings: Settings, importer_path: str, pyxis_version: Version | None,
+                   enroot_path: str | None, squashfuse: bool, mounting: bool,
+                   notes: list[str]) -> list[str]:
+    """Pyxis's plugstack options for this node; what the site should know goes to ``notes``."""
     options = ["runtime_path=/run/pyxis"]
     if pyxis_version is None:
         notes.append("Pyxis version unknown (no spank_pyxis.so found; pass --pyxis-version): "
@@ -174,6 +177,19 @@ def render(settings: Settings, importer_path: str, pyxis_version: Version | None
     elif squashfuse and pyxis_version is not None:
         notes.append(f"Pyxis {_show(pyxis_version)} has no use_squashfuse (0.22+): every "
                      "job unpacks its image first (tens of seconds for a GB image)")
+    return options
+
+
+def render(settings: Settings, importer_path: str, pyxis_version: Version | None = None,
+           pyxis_so: str = PYXIS_SO_CANDIDATES[0], enroot_path: str | None = None,
+           squashfuse: bool = True) -> NodeConfig:
+    registry = settings.registry
+    squashfs = settings.path(settings.outputs.squashfs_dir).resolve()
+    notes: list[str] = []
+    mounting = squashfuse and pyxis_version is not None and pyxis_version >= SQUASHFUSE_SINCE
+    lines = _enroot_conf(settings, mounting)
+    options = _pyxis_options(settings, importer_path, pyxis_version, enroot_path, squashfuse,
+                             mounting, notes)
     plugstack = [
         "# /etc/slurm/plugstack.conf.d/pyxis.conf"
         + (f" (Pyxis {_show(pyxis_version)})" if pyxis_version else ""),

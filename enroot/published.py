@@ -30,7 +30,6 @@ import zstandard
 from imgpipe.base import process
 from imgpipe.base.files import atomic_path, open_regular
 from imgpipe.enroot.errors import ConvertError, NoSpaceError
-from imgpipe.enroot.merge import MergedView
 from imgpipe.enroot.storage import FORMAT, Storage
 from imgpipe.enroot.trust import shown
 from imgpipe.registry.client import RegistryClient
@@ -282,17 +281,6 @@ def check_contents(path: Path, allowed_setuid: set[str] | None) -> int:
             raise ConvertError(f"the published squashfs has a set-id file /{name} "
                                f"(mode {mode:o}) that the image's layers do not have: refused")
     return len(entries)
-
-
-def layers_setuid(view: MergedView) -> set[str]:
-    """Paths of the merged layers' setuid/setgid files (what a squashfs of them may have)."""
-    setuid = set()
-    for name, node in view.nodes.items():
-        where = node.data or node.entry
-        if node.kind in ("file", "hardlink") and where is not None:
-            if view.members[where[0]][where[1]].mode & 0o6000:
-                setuid.add(name)
-    return setuid
 
 
 def fetch(client: RegistryClient, storage: Storage, published: PublishedSquashfs, final: Path,

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from imgpipe.enroot.errors import ConvertError
-from imgpipe.enroot.merge import MergedView
 from imgpipe.enroot.pins import Pins
-from imgpipe.enroot.published import PublishedSquashfs, fetch, find_published, layers_setuid
+from imgpipe.enroot.published import PublishedSquashfs, fetch, find_published
 from imgpipe.enroot.storage import Storage, fetched_stem
+from imgpipe.enroot.view import MergedView
 from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.errors import DigestMismatchError
 
@@ -91,7 +91,7 @@ def fetch_trusted(client: RegistryClient, storage: Storage, repository: str, dig
                                      frozenset({chosen.blob}), say)
     if existing is not None and existing.name.startswith(fetched_stem(repository, chosen.blob)):
         return Fetched(chosen, existing, 0, chosen.entries, cached=True)
-    allowed = None if chosen.blob in policy.pins else layers_setuid(layers_view())
+    allowed = None if chosen.blob in policy.pins else layers_view().setid_paths()
     say(f"fetch published squashfs {chosen.blob[:19]} ({chosen.size / 1e6:.1f} MB)")
     final = storage.fetched(repository, chosen.blob)
     try:

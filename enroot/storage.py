@@ -15,7 +15,7 @@ Layout under ``root`` (the cluster filesystem, shared by every node)::
     .imgpipe/locks/<hex>[.u<uid>].lock  one lock per digest (fcntl.lockf: works over NFS)
     .imgpipe/tmp/                 work areas of running conversions
     .imgpipe/tmp/u<uid>/          a user's partial downloads and private copies (0700)
-    .imgpipe/uses/                which job steps use which entry (enroot.usage)
+    .imgpipe/uses/                which job steps use which entry (enroot.cacheuse)
 
 Temporary names carry host and PID, so processes on many hosts never collide;
 whoever holds a digest's lock may delete any temporary of that digest, since
@@ -34,26 +34,24 @@ once, exclusively, and opened without following links.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import re
 import shutil
 import socket
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO
 
 from imgpipe.base.files import (
     STALE_AFTER_S,
     TMP_PREFIX,
     atomic_write,
-    open_regular,
     orphaned,
     owner_tag,
     read_regular,
 )
+from imgpipe.enroot.cachelock import digest_lock
 from imgpipe.enroot.errors import ConvertError
 from imgpipe.enroot.trust import CacheTrust, check_entry, check_layout_folder, shown, user_name
 
@@ -104,6 +102,18 @@ class Storage:
     @property
     def uses(self) -> Path:
         return self.meta / "uses"
+
+    @property
+    def version_file(self) -> Path:
+        return self.meta / "VERSION"
+
+    @property
+    def cachedir_tag(self) -> Path:
+        return self.meta / "CACHEDIR.TAG"
+
+    def use_marker(self, name: str) -> Path:
+        """A use marker's path (``enroot.cacheuse`` names them)."""
+        return self.uses / name
 
     @property
     def shared(self) -> bool:
@@ -157,11 +167,11 @@ class Storage:
                                hint="set outputs.squashfs_dir to a writable folder") from exc
 
     def _check_version(self) -> None:
-        version_file = self.meta / "VERSION"
+        version_file = self.version_file
         why = check_entry(version_file, self.trust)
         if why == "":
             _publish_once(version_file, LAYOUT_VERSION + "\n")
-            tag = self.meta / "CACHEDIR.TAG"
+            tag = self.cachedir_tag
             if not tag.exists():
                 _publish_once(tag, CACHEDIR_TAG)
             return
@@ -260,38 +270,15 @@ class Storage:
                     say(f"ignored {path.name}: {why}")
         return None
 
-    @contextlib.contextmanager
     def lock(self, digest: str, on_wait: Callable[[str], None] | None = None,
-             timeout_s: float | None = None) -> Iterator[None]:
+             timeout_s: float | None = None) -> contextlib.AbstractContextManager[None]:
         """Hold the digest's exclusive lock (a job user's own lock in a shared cache, where
         its conversions are its own); ``on_wait`` hears who holds it, once.  Waiting longer
         than ``timeout_s`` ends in one line naming the holder."""
-        timeout_s = self.lock_timeout_s if timeout_s is None else timeout_s
         suffix = f".u{self.trust.me}" if self._own_names else ""
-        path = self.locks / f"{digest_hex(digest)}{suffix}.lock"
-        try:
-            fd = _open_lock_file(path, self.trust, private=bool(suffix))
-        except PermissionError as exc:
-            raise self._not_shared(exc) from exc
-        with os.fdopen(fd, "r+") as handle:
-            if not _try_lock(handle):
-                holder = _holder(handle)
-                if on_wait:
-                    on_wait(f"waiting for {holder}, which is converting {digest[:19]}")
-                _wait_lock(handle, timeout_s, lambda: (
-                    f"gave up after {timeout_s:.0f} s waiting for the lock of {digest[:19]} "
-                    f"({path}), held by {_holder(handle)}"))
-            handle.seek(0)
-            handle.truncate()
-            handle.write(f"{socket.gethostname()}:{os.getpid()} since {time.strftime('%c')}\n")
-            handle.flush()
-            try:
-                yield
-            finally:
-                handle.seek(0)
-                handle.truncate()
-                handle.flush()
-                fcntl.lockf(handle, fcntl.LOCK_UN)
+        return digest_lock(self.locks / f"{digest_hex(digest)}{suffix}.lock", digest,
+                           self.trust, bool(suffix), self._not_shared, on_wait,
+                           self.lock_timeout_s if timeout_s is None else timeout_s)
 
     def clean_stale(self, digest: str) -> int:
         """Delete leftovers of crashed conversions of ``digest`` (call with its lock held)."""
@@ -393,63 +380,6 @@ def converted_digest(name: str) -> str | None:
 
 def fetched_stem(repository: str, blob: str) -> str:
     return f"{repository.replace('/', '+')}+squashfs-sha256-{digest_hex(blob)}"
-
-
-def _try_lock(handle: IO[str]) -> bool:
-    try:
-        fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        return False
-    return True
-
-
-def _wait_lock(handle: IO[str], timeout_s: float, gave_up: Callable[[], str]) -> None:
-    deadline = time.monotonic() + timeout_s
-    pause = 0.05
-    while not _try_lock(handle):
-        if time.monotonic() >= deadline:
-            raise ConvertError(gave_up(), hint="if that process is gone or hung, end it (or "
-                               "raise enroot.lock_timeout_s for very large images)")
-        time.sleep(pause)
-        pause = min(pause * 2, 1.0)
-
-
-def _holder(handle: IO[str]) -> str:
-    """Who holds the lock, as its holder wrote it (any user could write it: shown escaped)."""
-    handle.seek(0)
-    return shown(handle.read(200).strip()) or "another process"
-
-
-def _open_lock_file(path: Path, trust: CacheTrust, private: bool) -> int:
-    """An fd of the lock file, read-write, never through a link and never anything but a
-    regular file.  A shared lock is created exclusively and 0666 when missing (fcntl locks
-    need a file every user can open); a job user's own lock is 0600 and must be its own.
-    An existing one is opened without O_CREAT, which protected_regular refuses for another
-    user's file in a sticky folder."""
-    for _ in range(5):
-        try:
-            fd = open_regular(path, os.O_RDWR)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            raise ConvertError(f"lock file {path}: {exc.strerror}",
-                               hint=f"something was planted there: as root, remove it ({path})"
-                               ) from exc
-        else:
-            owner = os.fstat(fd).st_uid
-            if private and owner != trust.me:
-                os.close(fd)
-                raise ConvertError(f"lock file {path} belongs to {user_name(owner)}, not you: "
-                                   "refused", hint=f"it was planted: as root, remove {path}")
-            return fd
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_CREAT | os.O_EXCL,
-                         0o600 if private else 0o666)
-        except FileExistsError:
-            continue  # created by another process in between: open it
-        os.fchmod(fd, 0o600 if private else 0o666)
-        return fd
-    raise ConvertError(f"cannot open lock file {path}: it keeps disappearing")
 
 
 def _publish_once(path: Path, text: str) -> None:

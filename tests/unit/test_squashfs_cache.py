@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from imgpipe.base.units import human_bytes, parse_size
+from imgpipe.enroot.cacheuse import entries, prune, record_use, release_use
 from imgpipe.enroot.storage import Storage
-from imgpipe.enroot.usage import entries, prune, record_use, release_use
 
 DIGEST = "sha256:" + "a" * 64
 OTHER = "sha256:" + "b" * 64

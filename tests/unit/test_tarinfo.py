@@ -10,7 +10,7 @@ import tarfile
 
 import pytest
 
-from imgpipe.enroot.tarinfo import FastTarInfo
+from imgpipe.enroot.tarreader import FastTarInfo
 
 FIELDS = ("name", "mode", "uid", "gid", "size", "mtime", "chksum", "type", "linkname",
           "uname", "gname", "devmajor", "devminor")

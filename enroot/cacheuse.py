@@ -72,7 +72,7 @@ def record_use(storage: Storage, squashfs: Path, job: str, step: str) -> Path:
             if made in (storage.meta, folder):
                 make_shared_dir(made, mode)
     check_layout_folder(folder, storage.trust, storage.shared)
-    marker = folder / marker_name(squashfs, job, step)
+    marker = storage.use_marker(marker_name(squashfs, job, step))
     try:
         os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
     except FileExistsError:

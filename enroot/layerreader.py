@@ -1,31 +1,121 @@
-"""Layers' tar streams made by ``enroot.inflate`` in a process of its own, read in order.
+"""Layers read as their tar streams: what the decoder (``enroot.decoder``) writes, in order.
 
-:class:`PipeReader` has what tarfile and the one-pass converter use of a layer stream:
-``read``, ``read_view`` (no copy), forward ``seek``, ``tell``, the latest read for the
-end-of-archive check, ``verify``.
+:class:`LayerPipe` starts one decoder process for a run of layers and hands it each layer
+as its blob lands; :class:`LayerReader` is one layer's uncompressed stream, with what
+tarfile and the converters use of it: ``read``, ``read_view`` (no copy), forward ``seek``,
+``tell``, the latest read (for the end-of-archive check), ``splice_into`` (pipe to pipe),
+and ``verify``, which compares the blob with its digest and the tar with the config's
+``diff_id``.  Every converter path reads layers this way.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import queue
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from imgpipe.base.process import Producer
-from imgpipe.enroot import inflate
+from imgpipe.enroot import decoder
 from imgpipe.enroot.errors import BlobDigestError, HostileLayerError
-from imgpipe.enroot.layerstream import ChunkReader, LayerSource
 
 PIPE_SIZE = 1 << 20
 READ = 1 << 20  # bytes read from the pipe at a time
 
 
-class InflateError(OSError):
-    """The inflate process found a broken stream (or died): a layer error to its reader."""
+@dataclass(frozen=True)
+class LayerSource:
+    """A layer as the converters read it: its blob's digest and path, and the sha256 of its
+    uncompressed tar from the image config (``diff_id``)."""
+
+    digest: str
+    path: Path
+    diff_id: str | None = None
+    # This process hashed the blob against its digest while it wrote the file, moments ago
+    # (a file of its own, which no other user can write): it is not hashed again.
+    hashed: bool = False
+
+
+class DecodeError(OSError):
+    """The decoder found a broken stream (or died): a layer error to its reader."""
+
+
+# What reading a layer's stream raises for a broken layer (tarfile's own errors aside).
+STREAM_ERRORS: tuple[type[BaseException], ...] = (OSError, EOFError)
+
+
+class ChunkReader(io.RawIOBase):
+    """A stream that arrives in chunks, read and skipped forward without copies where it
+    can be: subclasses say what the next chunk is."""
+
+    STEP = 1 << 20
+
+    def __init__(self) -> None:
+        self.position = 0
+        self._chunk: bytes = b""
+        self._at = 0
+        self.last_start, self.last = 0, b""  # the latest read, for the end-of-archive check
+
+    def _next_chunk(self) -> bytes | None:
+        """The next piece of the stream; None at its end."""
+        raise NotImplementedError
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def read_view(self, size: int) -> memoryview:
+        """Up to ``size`` bytes without a copy (fewer at a chunk's end; empty at the end)."""
+        while self._at >= len(self._chunk):
+            chunk = self._next_chunk()
+            if chunk is None:
+                return memoryview(b"")
+            self._chunk, self._at = chunk, 0
+        take = min(size, len(self._chunk) - self._at)
+        view = memoryview(self._chunk)[self._at:self._at + take]
+        self._at += take
+        self.position += take
+        return view
+
+    def read(self, size: int = -1) -> bytes:
+        start = self.position
+        if 0 <= size <= len(self._chunk) - self._at:  # the common case: one slice
+            data = self._chunk[self._at:self._at + size]
+            self._at += size
+            self.position += size
+        else:
+            pieces = []
+            left = size if size >= 0 else -1
+            while left != 0:
+                piece = self.read_view(left if left > 0 else self.STEP)
+                if not piece:
+                    break
+                pieces.append(piece)
+                if left > 0:
+                    left -= len(piece)
+            data = b"".join(pieces)
+        self.last_start, self.last = start, data
+        return data
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        target = offset if whence == io.SEEK_SET else self.position + offset
+        if whence not in (io.SEEK_SET, io.SEEK_CUR) or target < self.position:
+            raise OSError("a layer stream only seeks forward")
+        while self.position < target:
+            if not self.read_view(target - self.position):
+                break  # past the end: the next read finds nothing, as tarfile expects
+        return self.position
 
 
 # The k-th layer in reading order, once its blob is in the cache (it may wait for a fetch)
@@ -33,12 +123,13 @@ Arrival = Callable[[int], LayerSource]
 
 
 class LayerPipe:
-    """One inflate process streaming ``count`` layers in reading order: a thread of this
+    """One decoder process streaming ``count`` layers in reading order: a thread of this
     process hands it each layer as ``arrive`` returns it (a fetch finishing), so the first
-    layers stream while later ones are still on the network."""
+    layers stream while later ones are still on the network.  ``hash_tars``: hash each tar
+    for a comparison with its ``diff_id``."""
 
     def __init__(self, count: int, arrive: Arrival, hash_tars: bool = True) -> None:
-        argv = [sys.executable, "-m", inflate.__name__, json.dumps({"hash_tar": hash_tars})]
+        argv = [sys.executable, "-m", decoder.__name__, json.dumps({"hash_tar": hash_tars})]
         self.count = count
         self._producer = Producer(argv, pipe_size=PIPE_SIZE, with_input=True)
         self.fd = self._producer.fd  # the frames' pipe
@@ -59,18 +150,18 @@ class LayerPipe:
                 try:
                     self._producer.send(line.encode() + b"\n")
                 except OSError as exc:  # the process ended: its frames say why
-                    self._arrived.put(InflateError(f"the inflate process ended: {exc}"))
+                    self._arrived.put(DecodeError(f"the decoder ended: {exc}"))
                     return
                 self._arrived.put(layer)
         finally:
             self._producer.end_input()
 
-    def readers(self) -> Iterator[PipeReader]:
+    def readers(self) -> Iterator[LayerReader]:
         for _ in range(self.count):
             layer = self._arrived.get()
             if isinstance(layer, BaseException):
                 raise layer
-            reader = PipeReader(self, layer)
+            reader = LayerReader(self, layer)
             yield reader
             if not reader.ended:
                 raise AssertionError("a layer's reader left before its end")
@@ -91,14 +182,14 @@ class LayerPipe:
     def frame(self) -> tuple[bytes, int, int]:
         """The next frame's kind, payload length and blob bytes read so far."""
         header = b""
-        while len(header) < inflate.FRAME.size:
-            more = self.read_fd(inflate.FRAME.size - len(header))
+        while len(header) < decoder.FRAME.size:
+            more = self.read_fd(decoder.FRAME.size - len(header))
             if not more:
                 code = self._producer.close()
-                raise InflateError(f"the inflate process ended (exit {code}) mid-stream: "
+                raise DecodeError(f"the decoder ended (exit {code}) mid-stream: "
                                    f"{self._producer.stderr_tail() or 'no message'}")
             header += more
-        kind, length, blob_bytes = inflate.FRAME.unpack(header)
+        kind, length, blob_bytes = decoder.FRAME.unpack(header)
         return kind, length, blob_bytes
 
     def payload(self, length: int) -> bytes:
@@ -106,23 +197,23 @@ class LayerPipe:
         while len(data) < length:
             more = self.read_fd(length - len(data))
             if not more:
-                raise InflateError("the inflate process ended inside a frame")
+                raise DecodeError("the decoder ended inside a frame")
             data += more
         return data
 
 
 
-class PipeReader(ChunkReader):
+class LayerReader(ChunkReader):
     """One layer's uncompressed stream from a :class:`LayerPipe`, read forward only.
 
     The pipe is read a MiB at a time: reading each tar header on its own (512 bytes) woke
-    the inflate process for every few KiB it could write, and the stream crawled (a pipe
+    the decoder for every few KiB it could write, and the stream crawled (a pipe
     costs here what a copy does not: 4 GB through ``cat`` 6.1 s, in 1 MiB reads 1.9 s)."""
 
     def __init__(self, pipe: LayerPipe, layer: LayerSource) -> None:
         super().__init__()
         self.pipe, self.layer = pipe, layer
-        self.blob_bytes = 0  # compressed bytes the inflate process has read of this layer
+        self.blob_bytes = 0  # compressed bytes the decoder has read of this layer
         self.ended = False
         self.summary: dict[str, Any] = {}
         self._left = 0  # bytes of the current data frame not read yet
@@ -141,7 +232,7 @@ class PipeReader(ChunkReader):
                 self.ended = True
             else:
                 self.ended = True
-                raise InflateError(self.pipe.payload(length).decode(errors="replace"))
+                raise DecodeError(self.pipe.payload(length).decode(errors="replace"))
         return True
 
     def _next_chunk(self) -> bytes | None:
@@ -149,7 +240,7 @@ class PipeReader(ChunkReader):
             return None
         chunk = self.pipe.read_fd(min(self._left, READ))
         if not chunk:
-            raise InflateError("the inflate process ended inside a frame")
+            raise DecodeError("the decoder ended inside a frame")
         self._left -= len(chunk)
         return chunk
 
@@ -161,13 +252,13 @@ class PipeReader(ChunkReader):
             return 0
         moved = move(self.pipe.fd, min(size, self._left))
         if not moved:
-            raise InflateError("the inflate process ended inside a frame")
+            raise DecodeError("the decoder ended inside a frame")
         self._left -= moved
         self.position += moved
         return moved
 
     def verify(self, layer: LayerSource) -> None:
-        """Read to the end of the layer and compare what the inflate process hashed: the
+        """Read to the end of the layer and compare what the decoder hashed: the
         blob with its digest (unless this process hashed it as it fetched it), the tar
         with the config's diff_id (when asked to)."""
         while self.read_view(self.STEP):

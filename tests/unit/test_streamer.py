@@ -1,6 +1,7 @@
-"""The one top-down pass (enroot.onepass) writes the root the two passes write, whatever the
-layers hold, or says it cannot (TwoPassesNeeded) and the converter merges first; it refuses
-every hostile layer the merge refuses; its headers are tarfile's bytes."""
+"""The streamer (enroot.streamer) writes the root the two passes (enroot.view, then
+enroot.viewwriter) write, whatever the layers hold, or says it cannot (TwoPassesNeeded) and
+the converter merges first; it refuses every hostile layer the view refuses; its headers are
+tarfile's bytes."""
 
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ import pytest
 import zstandard
 
 from imgpipe.enroot.errors import BlobDigestError, HostileLayerError
-from imgpipe.enroot.flatten import Item, _tarfile_header, tar_header, write_stream
-from imgpipe.enroot.layerstream import LayerSource
-from imgpipe.enroot.merge import merge
-from imgpipe.enroot.onepass import TwoPassesNeeded, write_stream_once
+from imgpipe.enroot.layerreader import LayerSource
+from imgpipe.enroot.streamer import TwoPassesNeeded, write_stream_once
+from imgpipe.enroot.tarwriter import Item, _tarfile_header, tar_header
+from imgpipe.enroot.view import merge
+from imgpipe.enroot.viewwriter import write_stream
 from imgpipe.registry.errors import RegistryError
 from tests.hostile_layers import CASES, entry, layer
 

@@ -1,15 +1,17 @@
-"""Layer blobs -> their tar streams, in a process of their own (``python -m
-imgpipe.enroot.inflate SPEC``, SPEC a JSON object ``{"hash_tar": bool}``; the layers
-arrive on stdin, one JSON line ``{"path": BLOB, "hash_blob": bool}`` each, as their blobs
-land in the cache, so that the first layers stream while the last ones are still fetched;
-stdin's end means no more).
+"""The decoder: layer blobs -> their tar bytes and digests, in a process of its own.
 
-Reading a blob, hashing it, decompressing it and hashing the tar is most of a conversion's
-CPU work.  In the converter's own process it shares the GIL with the tar handling, and
-threads do not help: each release and re-take of the GIL waits for the other thread's
-switch interval (measured: a decompressing thread beside a Python one ran no faster than
-the two one after the other).  This process does that work on another core and hands the
-streams over a pipe, in frames (``enroot.layerpipe`` reads them):
+Every path that reads a layer reads it through here (``python -m imgpipe.enroot.decoder
+SPEC``, SPEC a JSON object ``{"hash_tar": bool}``; ``enroot.layerreader`` starts it and
+reads what it writes).  The layers arrive on stdin, one JSON line ``{"path": BLOB,
+"hash_blob": bool}`` each, as their blobs land in the cache, so that the first layers stream
+while the last ones are still fetched; stdin's end means no more.
+
+Reading a blob, hashing it, decompressing it (gzip through ISA-L, zstd, or plain, told apart
+by magic) and hashing the tar is most of a conversion's CPU work.  In the converter's own
+process it shares the GIL with the tar handling, and threads do not help: each release and
+re-take of the GIL waits for the other thread's switch interval (measured: a decompressing
+thread beside a Python one ran no faster than the two one after the other).  This process
+does that work on another core and hands the streams over a pipe, in frames:
 
 * ``D`` + length + blob bytes read so far, then that many bytes of tar;
 * ``E`` + length, then a JSON summary of the finished layer: tar bytes, and the sha256 of
@@ -17,9 +19,12 @@ streams over a pipe, in frames (``enroot.layerpipe`` reads them):
 * ``X`` + length, then an error message (a corrupt or truncated stream): the process then
   exits 1.
 
-Frames are written by a thread of their own while the next ones are made.
+Frames are written by a thread of their own while the next ones are made.  A blob read to
+its end leaves the page cache (a 16 GB image's 7 GB of blobs pushed the squashfs and
+everything else a node holds out of it).
 
-It imports only what that needs (no imgpipe modules), so it starts in a few milliseconds.
+It imports only what that needs (no imgpipe modules but ``base.files``), so it starts in a
+few milliseconds.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any, BinaryIO, cast
 
-from imgpipe.base.files import open_regular
+from imgpipe.base.regular import open_regular
 
 FRAME = struct.Struct("<cQQ")  # kind, payload length, blob bytes read so far
 GZIP_MAGIC = b"\x1f\x8b"
@@ -44,7 +49,7 @@ OUT_CHUNK = 4 << 20  # most uncompressed bytes made from one read
 AHEAD = 64  # frames made but not yet written: 256 MiB at most, less where memory is short
 
 
-class _Blob:
+class Blob:
     """A blob read in order, counted and (optionally) hashed."""
 
     def __init__(self, path: str, hashing: bool) -> None:
@@ -102,7 +107,7 @@ def gunzip(chunks: Iterator[bytes]) -> Iterator[bytes]:
         raise EOFError("compressed stream ended before its end-of-stream marker")
 
 
-def _unzstd(blob: _Blob) -> Iterator[bytes]:
+def _unzstd(blob: Blob) -> Iterator[bytes]:
     import zstandard
 
     reader = zstandard.ZstdDecompressor().stream_reader(
@@ -111,7 +116,7 @@ def _unzstd(blob: _Blob) -> Iterator[bytes]:
         yield out
 
 
-def tar_chunks(blob: _Blob, magic: bytes) -> Iterator[bytes]:
+def tar_chunks(blob: Blob, magic: bytes) -> Iterator[bytes]:
     """The uncompressed stream of ``blob`` (gzip, zstd or plain, by magic)."""
     if magic[:2] == GZIP_MAGIC:
         return gunzip(blob.chunks())
@@ -202,7 +207,7 @@ class _Writer:
 def stream_layer(path: str, hash_blob: bool, hash_tar: bool, frames: _Writer
                  ) -> dict[str, Any]:
     """Frames of one layer's tar onto ``frames``; its summary."""
-    blob = _Blob(path, hash_blob)
+    blob = Blob(path, hash_blob)
     try:
         magic = os.pread(blob.handle.fileno(), 4, 0)
         tar_sha256 = hashlib.sha256() if hash_tar else None
