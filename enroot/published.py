@@ -30,6 +30,7 @@ import zstandard
 from imgpipe.base import process
 from imgpipe.base.files import atomic_path, open_regular
 from imgpipe.enroot.errors import ConvertError, NoSpaceError
+from imgpipe.enroot.layerrules import is_setid
 from imgpipe.enroot.storage import FORMAT, Storage
 from imgpipe.enroot.trust import shown
 from imgpipe.registry.client import RegistryClient
@@ -276,7 +277,7 @@ def check_contents(path: Path, allowed_setuid: set[str] | None) -> int:
         if kind not in ("dir", "file", "slink", "pipe"):
             raise ConvertError(f"the published squashfs holds {kind} /{name}, which no "
                                "conversion makes: refused")
-        if (allowed_setuid is not None and kind == "file" and mode & 0o6000
+        if (allowed_setuid is not None and kind == "file" and is_setid(mode)
                 and name not in allowed_setuid):
             raise ConvertError(f"the published squashfs has a set-id file /{name} "
                                f"(mode {mode:o}) that the image's layers do not have: refused")

@@ -118,11 +118,11 @@ class Above:
                     self.buried.add(hidden)
                 else:
                     self.bury(hidden)
-            elif member.isdir():
+            elif (kind := kind_of(member, layer)) == "dir":
                 self.dirs.add(path)
             else:
                 self.bury(path)
-                if member.islnk():
+                if kind == "hardlink":
                     self.wanted.add(hardlink_target(member, layer))
 
 

@@ -17,7 +17,7 @@ GNU sparse map, no base-256 number) apart in one ``struct`` call and sums it onc
 other header goes to ``tarfile``'s own reading, so what a broken or unusual header raises
 or yields is ``tarfile``'s answer.  Everything after the header (PAX records, GNU long
 names, the member's data) is ``tarfile``'s as well.  Tested field by field against
-``tarfile`` on random and corrupted headers (tests/unit/test_tarinfo.py).
+``tarfile`` on random and corrupted headers (tests/unit/test_tarreader.py).
 """
 
 from __future__ import annotations

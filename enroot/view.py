@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import io
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -162,7 +162,7 @@ class _Merger:
         self.children.setdefault(parent, set()).add(base)
 
 
-def layer_members(layers: list[LayerSource]) -> Iterator[list[Member]]:
+def layer_members(layers: list[LayerSource]) -> Generator[list[Member], None, None]:
     """Every layer's members, bottom first, read by HEADER_READERS decoders at once (each
     reads every other layer; decompression is most of the work), or by one for small
     layers.  Each layer is verified as
@@ -217,8 +217,9 @@ def merge(layers: list[LayerSource], rc_files: dict[str, tuple[str, int]] | None
           ) -> MergedView:
     """The view of ``layers`` (bottom first), every layer read for its headers."""
     builder = ViewBuilder()
-    for layer, members in zip(layers, layer_members(layers), strict=True):
-        builder.add_layer(layer, members)
+    with contextlib.closing(layer_members(layers)) as read:  # a refusal stops the readers
+        for layer, members in zip(layers, read, strict=True):
+            builder.add_layer(layer, members)
     return builder.finish(rc_files)
 
 

@@ -40,7 +40,7 @@ def flattened(view: MergedView, layers: list[LayerSource]) -> Iterator[Item]:
             for number, reader in enumerate(pipe.readers()):
                 for index, member in enumerate(view.members[number]):
                     entry = (number, index)
-                    if entry in wanted and member.isfile():
+                    if entry in wanted:  # the bytes of a file (a view's data entry)
                         reader.seek(member.offset_data)
                         hidden.keep(entry, Exact(reader, member.size, reader.layer, member))
                     path = by_entry.get(entry)

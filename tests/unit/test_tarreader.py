@@ -1,4 +1,4 @@
-"""enroot.tarinfo reads every tar header as tarfile does: the same fields, or the same error,
+"""enroot.tarreader reads every tar header as tarfile does: the same fields, or the same error,
 on headers of every format and on thousands of corrupted ones; and whole archives read
 through it list the same members."""
 
