@@ -56,19 +56,6 @@ PR_SET_PDEATHSIG = 1
 F_SETPIPE_SZ = 1031  # fcntl: resize a pipe (Linux)
 
 
-class Terminated(BaseException):
-    """SIGTERM reached imgpipe: unwinds like Ctrl-C, so temporaries are removed and
-    children killed on the way out (a BaseException: no ``except Exception`` stops it)."""
-
-
-def raise_on_sigterm() -> None:
-    """Turn SIGTERM into :class:`Terminated` (the CLI installs this; tests do not)."""
-    def handler(signum: int, frame: object) -> None:
-        raise Terminated()
-
-    signal.signal(signal.SIGTERM, handler)
-
-
 def die_with_parent() -> None:
     """In a child, before exec: SIGKILL it when imgpipe dies, even by kill -9 (Linux
     PR_SET_PDEATHSIG), so no tar2sqfs, mksquashfs or docker push outlives its caller."""

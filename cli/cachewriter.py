@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> None:
-    from imgpipe.base.process import raise_on_sigterm
+    from imgpipe.base.signals import raise_on_sigterm
 
     raise_on_sigterm()
     sys.exit(main())

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run() -> None:
     if sys.argv[1:2] == ["get"]:  # a conversion may run: SIGTERM must clean up
-        from imgpipe.base.process import raise_on_sigterm
+        from imgpipe.base.signals import raise_on_sigterm
 
         raise_on_sigterm()
     sys.exit(main())

@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 
 from imgpipe.base.errors import ImgpipeError
-from imgpipe.base.process import Terminated, raise_on_sigterm
+from imgpipe.base.signals import Terminated, raise_on_sigterm
 from imgpipe.cli.clikit import CONTEXT, invocation, reporting, settings_of
 from imgpipe.cli.output import Invocation, Result, emit_error
 
