@@ -304,7 +304,7 @@ def test_a_fetch_that_fails_is_the_error_raised(tmp_path: Path) -> None:
 
 def test_large_files_moved_pipe_to_pipe_arrive_whole(tmp_path: Path) -> None:
     """Into a pipe (the squash tool's stdin) a large file's bytes are spliced from the
-    inflate process's pipe, not copied through this one: the stream is the same bytes."""
+    decoder's pipe, not copied through this one: the stream is the same bytes."""
     rng = random.Random(5)
     big, odd = rng.randbytes(9 << 20), rng.randbytes((3 << 20) + 777)
     layers = sources(tmp_path, [
