@@ -1,7 +1,7 @@
 """Opening a regular file, never through a link: what every reader of a shared folder uses.
 
 Its own module, importing only ``os`` and ``stat``, so that the decoder process
-(``enroot.decoder``), which starts for every conversion, starts in a few milliseconds.
+(``enroot.flatten.decoder``), which starts for every conversion, starts in a few milliseconds.
 """
 
 from __future__ import annotations

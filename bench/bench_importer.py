@@ -74,8 +74,8 @@ def main() -> None:
         env = {**os.environ, "IMGPIPE_CONFIG": str(config), "XDG_RUNTIME_DIR": folder,
                "SLURM_JOB_ID": "1", "SLURM_STEP_ID": "0"}
         if args.as_user:
-            from imgpipe.enroot.cachelayout import make_layout
-            from imgpipe.enroot.storage import Storage
+            from imgpipe.enroot.cache.layout import make_layout
+            from imgpipe.enroot.cache.storage import Storage
 
             os.chmod(folder, 0o755)
             make_layout(Storage(Path(folder) / "sqsh"))

@@ -107,8 +107,8 @@ def timed(argv: list[str], cwd: Path) -> float:
 
 def fetch_alone(ref: str, folder: str) -> None:
     """Every blob of ``ref`` into an empty cache under ``folder`` (a process of its own)."""
-    from imgpipe.enroot.fetch import fetch_image
-    from imgpipe.enroot.storage import Storage
+    from imgpipe.enroot.cache.storage import Storage
+    from imgpipe.enroot.fetch.blobs import fetch_image
     from imgpipe.registry.client import RegistryClient
     from imgpipe.registry.reference import Reference
 

@@ -175,8 +175,8 @@ def enroot_way(ref: str, work: Path, tmp: Path) -> dict[str, float]:
 
 def run_enroot_way(ref: str, work: Path) -> int:
     """Fetch, unpack layer by layer with whiteouts, mksquashfs lzo -noD: the squashfs size."""
-    from imgpipe.enroot.fetch import fetch_image
-    from imgpipe.enroot.storage import Storage
+    from imgpipe.enroot.cache.storage import Storage
+    from imgpipe.enroot.fetch.blobs import fetch_image
     from imgpipe.registry.client import RegistryClient
     from imgpipe.registry.reference import Reference
 

@@ -28,9 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from imgpipe.enroot.cache.storage import Storage  # noqa: E402
 from imgpipe.enroot.convert import convert  # noqa: E402
-from imgpipe.enroot.squash import SquashOptions  # noqa: E402
-from imgpipe.enroot.storage import Storage  # noqa: E402
+from imgpipe.enroot.squash.tools import SquashOptions  # noqa: E402
 from imgpipe.recipes.runtimes import ENROOT_LIKE_START  # noqa: E402
 from imgpipe.registry.client import RegistryClient  # noqa: E402
 from imgpipe.registry.reference import Reference  # noqa: E402

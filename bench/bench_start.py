@@ -130,8 +130,8 @@ def put_image(registry: services.RegistryProcess, name: str, state: Path,
 
 
 def empty_cache(cache: Path) -> None:
-    from imgpipe.enroot.cachelayout import make_layout
-    from imgpipe.enroot.storage import Storage
+    from imgpipe.enroot.cache.layout import make_layout
+    from imgpipe.enroot.cache.storage import Storage
 
     shutil.rmtree(cache, ignore_errors=True)
     make_layout(Storage(cache))  # node-config --make-cache: 1777, the layout root's
@@ -195,9 +195,9 @@ def publish_squashfs(registry: services.RegistryProcess, repo: str, digest: str
     """Convert ``repo@digest`` once in a private cache and publish the file beside it, as
     `imgpipe push --squashfs` does; (the squashfs digest, seconds)."""
     from imgpipe.base.files import file_sha256
+    from imgpipe.enroot.cache.storage import Storage
     from imgpipe.enroot.convert import convert
-    from imgpipe.enroot.published import publish
-    from imgpipe.enroot.storage import Storage
+    from imgpipe.enroot.published.artifact import publish
     from imgpipe.registry.client import RegistryClient
     from imgpipe.registry.reference import Reference
 

@@ -28,9 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from imgpipe.enroot.cachelayout import make_layout  # noqa: E402
-from imgpipe.enroot.storage import Storage  # noqa: E402
-from imgpipe.enroot.trust import CacheTrust  # noqa: E402
+from imgpipe.enroot.cache.layout import make_layout  # noqa: E402
+from imgpipe.enroot.cache.storage import Storage  # noqa: E402
+from imgpipe.enroot.cache.trust import CacheTrust  # noqa: E402
 from tests.cluster import USERS, ensure_users, system_imgpipe  # noqa: E402
 
 SERVICE = "imgpipe-cache"

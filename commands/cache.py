@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from imgpipe.base.config import Settings
 from imgpipe.commands.wiring import storage
-from imgpipe.enroot.cachelayout import audit
-from imgpipe.enroot.cacheuse import Entry, Pruned, entries, prune
+from imgpipe.enroot.cache.layout import audit
+from imgpipe.enroot.cache.uses import Entry, Pruned, entries, prune
 
 __all__ = ["Entry", "Pruned", "list_cache", "prune_cache"]
 

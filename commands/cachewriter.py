@@ -1,6 +1,6 @@
 """Conversions every user's jobs take: the cache's service account, reached through sudo.
 
-In a shared cache a job user's conversion is that user's alone (``enroot.trust``): another
+In a shared cache a job user's conversion is that user's alone (``enroot.cache.trust``): another
 user's jobs never run bytes a job user chose.  So that users still share conversions, a site
 names the writer in its config, ``enroot.cache_writer``, and lets every job user run exactly
 that command as the service account (``enroot.cache_owner``), for instance::
@@ -32,11 +32,11 @@ from imgpipe.base import process
 from imgpipe.base.config import Settings
 from imgpipe.base.errors import ImgpipeError
 from imgpipe.commands.wiring import registry_client, squash_options, storage
+from imgpipe.enroot.cache.trust import shown, user_name
 from imgpipe.enroot.convert import convert, resolve_digest
 from imgpipe.enroot.errors import ConvertError
-from imgpipe.enroot.pins import PINS_ENV
-from imgpipe.enroot.publishedpolicy import PublishedPolicy
-from imgpipe.enroot.trust import shown, user_name
+from imgpipe.enroot.published.pins import PINS_ENV
+from imgpipe.enroot.published.policy import PublishedPolicy
 from imgpipe.registry.reference import Reference
 
 COMPONENT = r"[a-z0-9]+(?:[._-][a-z0-9]+)*"  # the distribution spec's path component

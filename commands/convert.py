@@ -10,9 +10,9 @@ from imgpipe.base.progress import Progress
 from imgpipe.base.units import parse_size
 from imgpipe.commands.pushed import require_pushed
 from imgpipe.commands.wiring import registry_client, squash_options, storage
-from imgpipe.enroot.cacheuse import prune
+from imgpipe.enroot.cache.uses import prune
 from imgpipe.enroot.convert import Conversion, convert
-from imgpipe.enroot.publishedpolicy import PublishedPolicy
+from imgpipe.enroot.published.policy import PublishedPolicy
 from imgpipe.pipeline.catalog import load_catalog
 from imgpipe.pipeline.lock import LockEntry, PlatformPin, lock_path, updating_lock
 from imgpipe.registry.reference import Reference

@@ -167,7 +167,7 @@ def check_disk(settings: Settings) -> Check:
 def check_cache(settings: Settings) -> Check:
     """The squashfs cache's layout and entries, as the threat model wants them."""
     from imgpipe.commands.wiring import storage
-    from imgpipe.enroot.cachelayout import audit
+    from imgpipe.enroot.cache.layout import audit
 
     try:
         cache = storage(settings)

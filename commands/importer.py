@@ -192,9 +192,9 @@ def _platform_entry(scheme: str, address: str, repository: str, digest: str) -> 
 
 def fast_get(uri: str) -> Path | None:
     """The squashfs of an already converted image, or None to take the full path."""
-    from imgpipe.enroot.pins import Pins
-    from imgpipe.enroot.storage import Storage
-    from imgpipe.enroot.trust import CacheTrust
+    from imgpipe.enroot.cache.storage import Storage
+    from imgpipe.enroot.cache.trust import CacheTrust
+    from imgpipe.enroot.published.pins import Pins
     from imgpipe.registry.errors import ReferenceFormatError
     from imgpipe.registry.reference import Reference
 
@@ -243,8 +243,8 @@ def get(uri: str) -> Path:
     from imgpipe.base.config import load_settings
     from imgpipe.commands.wiring import registry_client, storage
     from imgpipe.enroot.convert import convert, require_served
-    from imgpipe.enroot.publishedpolicy import PublishedPolicy
-    from imgpipe.enroot.squash import SquashOptions, compression_of
+    from imgpipe.enroot.published.policy import PublishedPolicy
+    from imgpipe.enroot.squash.tools import SquashOptions, compression_of
     from imgpipe.registry.reference import Reference
 
     settings = load_settings(_config_file())
@@ -265,7 +265,7 @@ def get(uri: str) -> Path:
         published=PublishedPolicy(enroot.published, unpinned=enroot.published_unpinned))
     if conversion.converted and enroot.cache_max_size:
         from imgpipe.base.units import parse_size
-        from imgpipe.enroot.cacheuse import prune
+        from imgpipe.enroot.cache.uses import prune
 
         prune(storage(settings), max_size=parse_size(enroot.cache_max_size))
     return conversion.path
@@ -274,9 +274,9 @@ def get(uri: str) -> Path:
 def record_step(squashfs: Path) -> None:
     """Record this step's use of ``squashfs`` (so prune keeps it) and remember it for
     release, in a file only this user reads, never written through a link."""
-    from imgpipe.enroot.cacheuse import record_use
-    from imgpipe.enroot.storage import Storage
-    from imgpipe.enroot.trust import CacheTrust
+    from imgpipe.enroot.cache.storage import Storage
+    from imgpipe.enroot.cache.trust import CacheTrust
+    from imgpipe.enroot.cache.uses import record_use
 
     quick = _quick() or {}
     cache = Storage(squashfs.parent, CacheTrust.of(quick.get("cache_owner")))

@@ -18,10 +18,10 @@ from imgpipe.base.platforms import Platform
 from imgpipe.base.progress import Progress
 from imgpipe.commands.pushed import catalog_image, require_pushed
 from imgpipe.commands.wiring import registry_client, squash_options, storage
+from imgpipe.enroot.cache.storage import Storage
 from imgpipe.enroot.convert import Conversion, convert, convert_privately, resolve_digest
 from imgpipe.enroot.errors import VerifyError
-from imgpipe.enroot.published import PublishedSquashfs, described, find_published, publish
-from imgpipe.enroot.storage import Storage
+from imgpipe.enroot.published.artifact import PublishedSquashfs, described, find_published, publish
 from imgpipe.pipeline.catalog import load_catalog, select
 from imgpipe.pipeline.lock import lock_path, read_lock, updating_lock
 from imgpipe.registry.reference import Reference

@@ -12,10 +12,10 @@ from imgpipe.base.platforms import Platform, host_platform
 from imgpipe.base.progress import Progress
 from imgpipe.commands.pushed import catalog_image, find_pushed, require_pushed
 from imgpipe.commands.wiring import registry_client, registry_credentials
+from imgpipe.enroot.cache.storage import converted_digest
 from imgpipe.enroot.nodeconfig import nodes_enroot, takes_digests
-from imgpipe.enroot.pins import PINS_ENV, Pins
-from imgpipe.enroot.published import find_published
-from imgpipe.enroot.storage import converted_digest
+from imgpipe.enroot.published.artifact import find_published
+from imgpipe.enroot.published.pins import PINS_ENV, Pins
 from imgpipe.pipeline.lock import LockEntry, PlatformPin, lock_path, read_lock
 from imgpipe.recipes.profiles import Profile, load_profile
 from imgpipe.recipes.render import Bundle, RecipeInputs, render_bundle

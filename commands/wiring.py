@@ -6,9 +6,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from imgpipe.base.config import Settings
-from imgpipe.enroot.squash import SquashOptions, compression_of
-from imgpipe.enroot.storage import Storage
-from imgpipe.enroot.trust import CacheTrust, shown
+from imgpipe.enroot.cache.storage import Storage
+from imgpipe.enroot.cache.trust import CacheTrust, shown
+from imgpipe.enroot.squash.tools import SquashOptions, compression_of
 
 __all__ = ["shown"]  # text other users wrote, escaped for a terminal (cli renders it)
 from imgpipe.registry.auth import (

@@ -23,23 +23,23 @@ from typing import IO, Any, cast
 
 from imgpipe.base.files import SquashfsPath, atomic_path
 from imgpipe.base.platforms import Platform, node_platform
-from imgpipe.enroot.blobrepair import fetch_again, spoiled_blobs
+from imgpipe.enroot.cache.storage import Storage
 from imgpipe.enroot.errors import (
     BlobDigestError,
     ConvertError,
     HostileLayerError,
     NoSpaceError,
 )
-from imgpipe.enroot.fetch import MAX_CONNECTIONS, ImageFetch, fetch_image
-from imgpipe.enroot.layerreader import LayerSource
-from imgpipe.enroot.publishedpolicy import PublishedPolicy, fetch_trusted
-from imgpipe.enroot.rcfiles import rc_files
-from imgpipe.enroot.sources import Arrivals, layer_sources
-from imgpipe.enroot.squash import SquashOptions, squash_stream, squash_tree
-from imgpipe.enroot.storage import Storage
-from imgpipe.enroot.streamer import TwoPassesNeeded, write_stream_once
-from imgpipe.enroot.view import LayerCounts, MergedView, merge
-from imgpipe.enroot.viewwriter import write_stream, write_tree
+from imgpipe.enroot.fetch.blobs import MAX_CONNECTIONS, ImageFetch, fetch_image
+from imgpipe.enroot.fetch.repair import fetch_again, spoiled_blobs
+from imgpipe.enroot.fetch.sources import Arrivals, layer_sources
+from imgpipe.enroot.flatten.layerreader import LayerSource
+from imgpipe.enroot.flatten.rcfiles import rc_files
+from imgpipe.enroot.flatten.streamer import TwoPassesNeeded, write_stream_once
+from imgpipe.enroot.flatten.view import LayerCounts, MergedView, merge
+from imgpipe.enroot.flatten.viewwriter import write_stream, write_tree
+from imgpipe.enroot.published.policy import PublishedPolicy, fetch_trusted
+from imgpipe.enroot.squash.tools import SquashOptions, squash_stream, squash_tree
 from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.errors import RegistryError
 from imgpipe.registry.reference import Reference
@@ -224,7 +224,7 @@ def _fetch_published(client: RegistryClient, storage: Storage, target: _Target,
 
 
 def _convert_with_enroot(client: RegistryClient, target: _Target) -> Conversion:
-    from imgpipe.enroot.enrootimport import enroot_import
+    from imgpipe.enroot.squash.enrootimport import enroot_import
 
     target.say(f"enroot import {target.ref.repository}@{target.digest[:19]}")
     # enroot refuses to write over an existing file: the temporary name must not exist yet
@@ -341,9 +341,9 @@ class _Counted(io.RawIOBase):
 def _squash_stream(target: _Target, arrivals: Arrivals, layers: list[LayerSource],
                    rc: dict[str, tuple[str, int]],
                    ready: Callable[[int], LayerSource] | None) -> Conversion:
-    """Stream the flattened root into tar2sqfs, each layer read once (``enroot.streamer``)
+    """Stream the flattened root into tar2sqfs, each layer read once (``enroot.flatten.streamer``)
     as it arrives (``ready``; None: all in place); layers that pass cannot place are
-    merged first and read twice (``enroot.viewwriter``)."""
+    merged first and read twice (``enroot.flatten.viewwriter``)."""
     options, repository = target.options, target.ref.repository
     target.say(f"squash with {options.compression} ({options.tool}), one pass over "
                f"{len(layers)} layer(s)")

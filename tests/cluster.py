@@ -48,8 +48,8 @@ def node_cache(prefix: str) -> tuple[Path, Path]:
     """What node-config sets up on a cluster: an empty squashfs folder every user shares
     (1777, its layout root's: `imgpipe node-config --make-cache`) and the nodes'
     imgpipe.yaml naming it and the head's registry."""
-    from imgpipe.enroot.cachelayout import make_layout
-    from imgpipe.enroot.storage import Storage
+    from imgpipe.enroot.cache.layout import make_layout
+    from imgpipe.enroot.cache.storage import Storage
 
     shared = shared_folder(prefix)
     squashfs = shared / "squashfs"

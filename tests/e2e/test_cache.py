@@ -416,7 +416,7 @@ def test_prune_keeps_what_a_job_uses_and_what_is_locked(image, tmp_path, capsys,
     holder = subprocess.Popen(  # a conversion of it running in another process
         [sys.executable, "-c", "import sys, time\n"
          "from pathlib import Path\n"
-         "from imgpipe.enroot.storage import Storage\n"
+         "from imgpipe.enroot.cache.storage import Storage\n"
          "with Storage(Path(sys.argv[1])).lock(sys.argv[2]):\n"
          "    print('held', flush=True); time.sleep(60)\n",
          str(cli.folder / "sqsh"), digest], stdout=subprocess.PIPE, text=True)

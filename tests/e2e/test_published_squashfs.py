@@ -27,8 +27,8 @@ import requests
 import yaml
 
 from imgpipe.base.directio import ALIGN
-from imgpipe.enroot.pins import PINS_ENV
-from imgpipe.enroot.published import ARTIFACT_TYPE, find_published, publish
+from imgpipe.enroot.published.artifact import ARTIFACT_TYPE, find_published, publish
+from imgpipe.enroot.published.pins import PINS_ENV
 from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.errors import DigestMismatchError
 from imgpipe.registry.referrers import referrers, referrers_tag

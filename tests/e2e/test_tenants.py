@@ -366,7 +366,7 @@ def _publish_as_pusher(site, registry_server, digest: str, tree: dict[str, tuple
     script = (
         "import hashlib, sys\nfrom pathlib import Path\n"
         "from imgpipe.registry.client import RegistryClient\n"
-        "from imgpipe.enroot.published import publish\n"
+        "from imgpipe.enroot.published.artifact import publish\n"
         f"client = RegistryClient({registry_server.url!r})\n"
         f"path = Path({str(squashfs)!r})\n"
         "blob = 'sha256:' + hashlib.sha256(path.read_bytes()).hexdigest()\n"
@@ -487,9 +487,9 @@ SERVICE = "imgpipe-cache"
 def shared_writer(site):
     """The site's trusted writer: the service account owns the cache's layout, and every job
     user may run exactly the writer as it, through a sudoers line the test removes after."""
-    from imgpipe.enroot.cachelayout import make_layout
-    from imgpipe.enroot.storage import Storage
-    from imgpipe.enroot.trust import CacheTrust
+    from imgpipe.enroot.cache.layout import make_layout
+    from imgpipe.enroot.cache.storage import Storage
+    from imgpipe.enroot.cache.trust import CacheTrust
 
     service = _ensure_user(SERVICE)
     folder = shared_folder("imgpipe-writer-")

@@ -1,4 +1,4 @@
-"""Whose cache entries a job takes (enroot.trust, Storage.find_squashfs), case by case: the
+"""Whose cache entries a job takes (enroot.cache.trust, Storage.find_squashfs), case by case: the
 files are made by root here and given to other uids, as on a cluster's shared folder.  The
 same attacks with real accounts on the sandbox are tests/e2e/test_tenants.py."""
 
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from imgpipe.enroot.cachelayout import audit, make_layout
+from imgpipe.enroot.cache.layout import audit, make_layout
+from imgpipe.enroot.cache.storage import Storage
+from imgpipe.enroot.cache.trust import CacheTrust, shown
 from imgpipe.enroot.errors import ConvertError
-from imgpipe.enroot.storage import Storage
-from imgpipe.enroot.trust import CacheTrust, shown
 
 DIGEST = "sha256:" + "a" * 64
 PIN = "sha256:" + "c" * 64

@@ -9,6 +9,17 @@ import pytest
 
 # Every folder of code, each imgpipe.<folder> (pyproject.toml maps them).
 FOLDERS = ("cli", "commands", "pipeline", "registry", "enroot", "recipes", "base")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def source_modules() -> list[tuple[Path, str]]:
+    """Every module of the tree, sub-packages included: (its file, its import name)."""
+    found = []
+    for folder in FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            found.append((path, ".".join(("imgpipe", folder, *parts)).removesuffix(".__init__")))
+    return found
 
 EXPECTED = {
     "imgpipe.base": ["CommandError", "ConfigError", "ImgpipeError", "Settings",
@@ -39,20 +50,28 @@ def test_every_user_error_derives_from_the_one_base() -> None:
 
 def test_the_wheel_installs_only_imgpipe(tmp_path) -> None:
     """`pip install .` must put nothing but imgpipe/ (and its dist-info) in site-packages."""
+    import shutil
     import subprocess
     import sys
     import zipfile
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
+    # From a copy of the tree without build/: setuptools would reuse a stale build/lib there,
+    # which holds whatever an earlier build shipped.
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        "build", ".venv", ".git", "__pycache__", "*.egg-info"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path),
-                    str(root)], check=True, capture_output=True, timeout=300)
+                    str(source)], check=True, capture_output=True, timeout=300)
     [wheel] = tmp_path.glob("imgpipe-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     tops = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
     assert tops == {"imgpipe"}
-    for sub in FOLDERS:
-        assert f"imgpipe/{sub}/__init__.py" in names
+    # Every module of the tree ships, sub-packages included (pyproject.toml lists packages by
+    # name: one left out there would be missing here), and nothing else does.
+    shipped = {name for name in names if name.endswith(".py")}
+    expected = {"imgpipe/" + str(path.relative_to(ROOT)) for path, _ in source_modules()}
+    assert sorted(expected - shipped) == [], "pyproject.toml's packages: add these"
+    assert sorted(shipped - expected) == []
     assert "imgpipe/__init__.py" not in names  # a namespace: no folder of its own
 
 
@@ -71,10 +90,8 @@ def test_the_error_tree_drawn_in_the_docstring_is_the_real_one() -> None:
     import importlib
     import re
 
-    root = Path(__file__).resolve().parents[2]
-    for folder in FOLDERS:  # every module: an error class may live anywhere
-        for path in sorted((root / folder).glob("*.py")):
-            importlib.import_module(f"imgpipe.{folder}.{path.stem}".removesuffix(".__init__"))
+    for _, module in source_modules():  # every module: an error class may live anywhere
+        importlib.import_module(module)
     from imgpipe.base import errors
     from imgpipe.base.errors import ImgpipeError
 
@@ -107,11 +124,8 @@ def test_every_module_imports_on_its_own() -> None:
     import subprocess
     import sys
     from concurrent.futures import ThreadPoolExecutor
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
-    modules = [f"imgpipe.{folder}.{path.stem}" for folder in FOLDERS
-               for path in sorted((root / folder).glob("*.py")) if path.stem != "__init__"]
+    modules = [module for path, module in source_modules() if path.stem != "__init__"]
     assert len(modules) > 40
 
     def attempt(module: str) -> tuple[str, str]:

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from imgpipe.enroot.errors import BlobDigestError, HostileLayerError
-from imgpipe.enroot.layerreader import LayerSource
-from imgpipe.enroot.view import merge
-from imgpipe.enroot.viewwriter import write_stream, write_tree
+from imgpipe.enroot.flatten.layerreader import LayerSource
+from imgpipe.enroot.flatten.view import merge
+from imgpipe.enroot.flatten.viewwriter import write_stream, write_tree
 from tests.hostile_layers import BASE, CASES, entry, layer
 
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from imgpipe.enroot.storage import Storage
+from imgpipe.enroot.cache.storage import Storage
 
 DIGEST = "sha256:" + "5d" * 32
 HEAVY = ("imgpipe.base.process", "pydantic", "requests", "imgpipe.enroot.convert",

@@ -3,9 +3,13 @@ the same checker fails on a contract the code breaks, naming the import that bre
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 ROOTS = ("imgpipe.cli", "imgpipe.commands", "imgpipe.pipeline", "imgpipe.registry",
@@ -19,13 +23,79 @@ def lint(config: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=120)
 
 
+def contracts() -> list[dict]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"][
+        "contracts"]
+
+
 def test_the_layers_and_the_process_chokepoint_hold() -> None:
     done = lint()
     assert done.returncode == 0, done.stdout[-3000:]
-    assert "5 kept, 0 broken" in done.stdout
+    assert f"{len(contracts())} kept, 0 broken" in done.stdout
     assert "cli parses, calls commands, renders: it reaches no subsystem itself KEPT" in \
         done.stdout
-    assert "the converter's layers, as enroot/__init__.py maps them KEPT" in done.stdout
+    assert "enroot/ in import order, as enroot/__init__.py maps it" in done.stdout
+
+
+def _map(package: Path) -> list[str]:
+    """The names a package's ``__init__`` docstring maps: the first word of each line indented
+    by four, in order (a folder is written with its slash)."""
+    doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text()), clean=False)
+    return [line.split()[0].rstrip("/") for line in (doc or "").splitlines()
+            if line.startswith("    ") and not line.startswith("     ")]
+
+
+def _modules(package: Path) -> set[str]:
+    return {path.stem for path in package.glob("*.py") if path.stem != "__init__"} \
+        | {path.parent.name for path in package.glob("*/__init__.py")}
+
+
+@pytest.mark.parametrize("folder", ["enroot", "enroot/published", "enroot/fetch",
+                                    "enroot/flatten", "enroot/squash", "enroot/cache"])
+def test_each_map_names_every_module_in_its_contracts_order(folder: str) -> None:
+    """enroot/'s maps (its __init__ docstrings) and its layers contracts list the same modules
+    in the same order, and every module of the folder is on both: neither can go stale."""
+    package = ROOT / folder
+    name = "imgpipe." + folder.replace("/", ".")
+    [contract] = [c for c in contracts() if c.get("containers") == [name]]
+    assert contract["type"] == "layers" and contract.get("exhaustive") is True
+    layered = [module.strip() for layer in contract["layers"] for module in layer.split("|")]
+    assert _map(package) == layered, f"{folder}/__init__.py's map and pyproject.toml's order"
+    assert set(layered) == _modules(package), f"{folder}: a module off the map"
+    for sub in package.glob("*/__init__.py"):  # a folder's __init__ maps; it imports nothing
+        tree = ast.parse(sub.read_text())
+        assert [type(node).__name__ for node in tree.body] == ["Expr"], sub
+
+
+def test_a_module_off_the_map_and_an_import_across_fail_the_check(tmp_path: Path) -> None:
+    """The enroot/ contract with nodeconfig left off its map, and the flattener forbidden the
+    layer errors it really imports: both are named."""
+    [real] = [c for c in contracts() if c.get("containers") == ["imgpipe.enroot"]]
+    layers = ", ".join(f'"{layer}"' for layer in real["layers"]).replace(" | nodeconfig", "")
+    config = tmp_path / "wrong.toml"
+    config.write_text(f'''
+[tool.importlinter]
+root_packages = ["imgpipe.enroot", "imgpipe.registry", "imgpipe.base"]
+include_external_packages = true
+
+[[tool.importlinter.contracts]]
+name = "nodeconfig off the map (wrong on purpose)"
+type = "layers"
+containers = ["imgpipe.enroot"]
+exhaustive = true
+layers = [{layers}]
+
+[[tool.importlinter.contracts]]
+name = "the flattener without the errors (wrong on purpose)"
+type = "forbidden"
+source_modules = ["imgpipe.enroot.flatten"]
+forbidden_modules = ["imgpipe.enroot.errors"]
+''')
+    done = lint(config)
+    assert done.returncode == 1, done.stdout[-3000:]
+    assert "0 kept, 2 broken" in done.stdout
+    assert "- imgpipe.enroot.nodeconfig" in done.stdout
+    assert "imgpipe.enroot.flatten.rules -> imgpipe.enroot.errors" in done.stdout
 
 
 def test_a_back_edge_fails_the_check_and_is_named(tmp_path: Path) -> None:

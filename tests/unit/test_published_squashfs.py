@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from imgpipe.enroot.errors import ConvertError
-from imgpipe.enroot.pins import PINS_ENV, Pins
-from imgpipe.enroot.published import check_contents
-from imgpipe.enroot.publishedpolicy import PublishedPolicy
+from imgpipe.enroot.published.artifact import check_contents
+from imgpipe.enroot.published.pins import PINS_ENV, Pins
+from imgpipe.enroot.published.policy import PublishedPolicy
 from imgpipe.registry.referrers import is_referrers_tag, referrers_tag
 
 IMAGE = "sha256:" + "a" * 64

@@ -280,8 +280,8 @@ def test_node_config_reads_the_pyxis_version_from_the_plugin(tmp_path: Path, cli
 
 
 def test_a_lock_planted_as_a_link_is_refused_in_one_line(tmp_path: Path) -> None:
+    from imgpipe.enroot.cache.storage import Storage
     from imgpipe.enroot.errors import ConvertError
-    from imgpipe.enroot.storage import Storage
 
     storage = Storage(tmp_path / "squashfs")
     storage.prepare()
@@ -297,7 +297,7 @@ def test_a_lock_planted_as_a_link_is_refused_in_one_line(tmp_path: Path) -> None
 
 def test_cache_folders_take_the_shared_mode_and_locks_are_usable_by_all(tmp_path: Path
                                                                         ) -> None:
-    from imgpipe.enroot.storage import Storage
+    from imgpipe.enroot.cache.storage import Storage
 
     root = tmp_path / "squashfs"
     root.mkdir()

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from imgpipe.base.units import human_bytes, parse_size
-from imgpipe.enroot.cacheuse import entries, prune, record_use, release_use
-from imgpipe.enroot.storage import Storage
+from imgpipe.enroot.cache.storage import Storage
+from imgpipe.enroot.cache.uses import entries, prune, record_use, release_use
 
 DIGEST = "sha256:" + "a" * 64
 OTHER = "sha256:" + "b" * 64
@@ -105,7 +105,7 @@ def test_a_live_conversion_of_the_same_digest_from_another_cache_keeps_its_work_
     """/dev/shm is the host's: two caches (two users, two site folders) converting one digest
     each hold only their own cache's lock.  Cleaning up one's leftovers must leave the other's
     live work tree alone (it vanished mid-squash: "llistxattr ... No such file")."""
-    from imgpipe.enroot.storage import RAM_DIR
+    from imgpipe.enroot.cache.storage import RAM_DIR
 
     digest = "sha256:" + os.urandom(32).hex()
     mine, theirs = storage(tmp_path / "a"), storage(tmp_path / "b")

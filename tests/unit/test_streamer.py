@@ -1,5 +1,5 @@
-"""The streamer (enroot.streamer) writes the root the two passes (enroot.view, then
-enroot.viewwriter) write, whatever the layers hold, or says it cannot (TwoPassesNeeded) and
+"""The streamer (enroot.flatten.streamer) writes the root the two passes (enroot.flatten.view, then
+enroot.flatten.viewwriter) write, whatever the layers hold, or says it cannot (TwoPassesNeeded) and
 the converter merges first; it refuses every hostile layer the view refuses; its headers are
 tarfile's bytes."""
 
@@ -20,11 +20,11 @@ import pytest
 import zstandard
 
 from imgpipe.enroot.errors import BlobDigestError, HostileLayerError
-from imgpipe.enroot.layerreader import LayerSource
-from imgpipe.enroot.streamer import TwoPassesNeeded, write_stream_once
-from imgpipe.enroot.tarwriter import Item, _tarfile_header, tar_header
-from imgpipe.enroot.view import merge
-from imgpipe.enroot.viewwriter import write_stream
+from imgpipe.enroot.flatten.layerreader import LayerSource
+from imgpipe.enroot.flatten.streamer import TwoPassesNeeded, write_stream_once
+from imgpipe.enroot.flatten.tarwriter import Item, _tarfile_header, tar_header
+from imgpipe.enroot.flatten.view import merge
+from imgpipe.enroot.flatten.viewwriter import write_stream
 from imgpipe.registry.errors import RegistryError
 from tests.hostile_layers import CASES, entry, layer
 

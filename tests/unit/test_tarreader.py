@@ -1,5 +1,5 @@
-"""enroot.tarreader reads every tar header as tarfile does: the same fields, or the same error,
-on headers of every format and on thousands of corrupted ones; and whole archives read
+"""enroot.flatten.tarreader reads every tar header as tarfile does: the same fields, or the
+same error, on headers of every format and on thousands of corrupted ones; and whole archives read
 through it list the same members."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import tarfile
 
 import pytest
 
-from imgpipe.enroot.tarreader import FastTarInfo
+from imgpipe.enroot.flatten.tarreader import FastTarInfo
 
 FIELDS = ("name", "mode", "uid", "gid", "size", "mtime", "chksum", "type", "linkname",
           "uname", "gname", "devmajor", "devminor")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from imgpipe.base.process import require, run
 from imgpipe.enroot.errors import ConvertError
-from imgpipe.enroot.squash import ENROOT_OPTIONS, SquashOptions
+from imgpipe.enroot.squash.tools import ENROOT_OPTIONS, SquashOptions
 from imgpipe.registry.reference import Reference
 
 ENROOT_SQUASH = {

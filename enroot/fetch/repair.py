@@ -12,10 +12,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from imgpipe.base.files import file_sha256
+from imgpipe.enroot.cache.storage import Storage
 from imgpipe.enroot.errors import BlobDigestError
-from imgpipe.enroot.fetch import fetch_blob_cached
-from imgpipe.enroot.layerreader import LayerSource
-from imgpipe.enroot.storage import Storage
+from imgpipe.enroot.fetch.blobs import fetch_blob_cached
+from imgpipe.enroot.flatten.layerreader import LayerSource
 from imgpipe.registry.client import RegistryClient
 
 

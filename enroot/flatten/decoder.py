@@ -1,7 +1,7 @@
 """The decoder: layer blobs -> their tar bytes and digests, in a process of its own.
 
-Every path that reads a layer reads it through here (``python -m imgpipe.enroot.decoder
-SPEC``, SPEC a JSON object ``{"hash_tar": bool}``; ``enroot.layerreader`` starts it and
+Every path that reads a layer reads it through here (``python -m imgpipe.enroot.flatten.decoder
+SPEC``, SPEC a JSON object ``{"hash_tar": bool}``; ``enroot.flatten.layerreader`` starts it and
 reads what it writes).  The layers arrive on stdin, one JSON line ``{"path": BLOB,
 "hash_blob": bool}`` each, as their blobs land in the cache, so that the first layers stream
 while the last ones are still fetched; stdin's end means no more.

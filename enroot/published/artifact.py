@@ -6,7 +6,7 @@ every cluster and node as one verified blob.  The artifact is an OCI image manif
 ``artifactType`` ARTIFACT_TYPE with the empty config, one layer (the squashfs file) and
 annotations saying what it is; it is listed in the image's referrers (registry.referrers).
 
-What a fetch may trust is decided by the caller (enroot.published): this module finds,
+What a fetch may trust is decided by the caller (enroot.published.policy): this module finds,
 publishes, fetches and checks.
 """
 
@@ -29,10 +29,10 @@ import zstandard
 
 from imgpipe.base import process
 from imgpipe.base.files import atomic_path, open_regular
+from imgpipe.enroot.cache.storage import FORMAT, Storage
+from imgpipe.enroot.cache.trust import shown
 from imgpipe.enroot.errors import ConvertError, NoSpaceError
-from imgpipe.enroot.layerrules import is_setid
-from imgpipe.enroot.storage import FORMAT, Storage
-from imgpipe.enroot.trust import shown
+from imgpipe.enroot.flatten.rules import is_setid
 from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.errors import RegistryError
 from imgpipe.registry.manifests import Manifest

@@ -28,7 +28,7 @@ import tarfile
 from collections.abc import Callable, Iterator
 
 from imgpipe.enroot.errors import HostileLayerError
-from imgpipe.enroot.layerreader import STREAM_ERRORS, LayerReader, LayerSource
+from imgpipe.enroot.flatten.layerreader import STREAM_ERRORS, LayerReader, LayerSource
 
 # name mode uid gid size mtime chksum type linkname (magic, version) uname gname devmajor
 # devminor prefix (12 bytes of padding)

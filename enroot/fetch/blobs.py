@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from imgpipe.base.files import read_regular
+from imgpipe.enroot.cache.storage import Storage
 from imgpipe.enroot.errors import BlobDigestError, ConvertError
-from imgpipe.enroot.storage import Storage
 from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.errors import DigestMismatchError, RegistryError
 from imgpipe.registry.manifests import Manifest

@@ -12,9 +12,9 @@ from __future__ import annotations
 import io
 import tempfile
 
-from imgpipe.enroot.layerrules import fixed_mode
-from imgpipe.enroot.tarwriter import COPY_CHUNK, Item, Readable
-from imgpipe.enroot.view import Entry, MergedView, Node
+from imgpipe.enroot.flatten.rules import fixed_mode
+from imgpipe.enroot.flatten.tarwriter import COPY_CHUNK, Item, Readable
+from imgpipe.enroot.flatten.view import Entry, MergedView, Node
 
 SPOOL_IN_MEMORY = 64 << 20  # bytes of a kept file held in memory before it spills to disk
 

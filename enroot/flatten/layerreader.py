@@ -1,4 +1,4 @@
-"""Layers read as their tar streams: what the decoder (``enroot.decoder``) writes, in order.
+"""Layers read as their tar streams: what the decoder (``enroot.flatten.decoder``) writes, in order.
 
 :class:`LayerPipe` starts one decoder process for a run of layers and hands it each layer
 as its blob lands; :class:`LayerReader` is one layer's uncompressed stream, with what
@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from imgpipe.base.process import Producer
-from imgpipe.enroot import decoder
 from imgpipe.enroot.errors import BlobDigestError, HostileLayerError
+from imgpipe.enroot.flatten import decoder
 
 PIPE_SIZE = 1 << 20
 READ = 1 << 20  # bytes read from the pipe at a time

@@ -15,7 +15,7 @@ Layout under ``root`` (the cluster filesystem, shared by every node)::
     .imgpipe/locks/<hex>[.u<uid>].lock  one lock per digest (fcntl.lockf: works over NFS)
     .imgpipe/tmp/                 work areas of running conversions
     .imgpipe/tmp/u<uid>/          a user's partial downloads and private copies (0700)
-    .imgpipe/uses/                which job steps use which entry (enroot.cacheuse)
+    .imgpipe/uses/                which job steps use which entry (enroot.cache.uses)
 
 Temporary names carry host and PID, so processes on many hosts never collide;
 whoever holds a digest's lock may delete any temporary of that digest, since
@@ -24,7 +24,7 @@ nobody else can be writing it.
 Shared by every user: Pyxis runs the importer as the job's user, so on a cluster the
 root folder is world-writable with the sticky bit (1777) or group-writable with setgid
 and sticky (3775), and root or the service account made the layout (``imgpipe
-node-config --make-cache``).  Who is trusted with what is ``enroot.trust``'s: entries
+node-config --make-cache``).  Who is trusted with what is ``enroot.cache.trust``'s: entries
 are found by exact name and used only when you, root or the service account wrote them
 and nobody else can change them; a job user's conversions in a shared cache are its own
 (``.u<uid>``), so nobody runs bytes another user chose.  Lock files are created
@@ -51,9 +51,15 @@ from imgpipe.base.files import (
     owner_tag,
     read_regular,
 )
-from imgpipe.enroot.cachelock import digest_lock
+from imgpipe.enroot.cache.lock import digest_lock
+from imgpipe.enroot.cache.trust import (
+    CacheTrust,
+    check_entry,
+    check_layout_folder,
+    shown,
+    user_name,
+)
 from imgpipe.enroot.errors import ConvertError
-from imgpipe.enroot.trust import CacheTrust, check_entry, check_layout_folder, shown, user_name
 
 LAYOUT_VERSION = "1"
 # The content a conversion makes, beyond the layers: bumped when it changes (2: empty
@@ -112,7 +118,7 @@ class Storage:
         return self.meta / "CACHEDIR.TAG"
 
     def use_marker(self, name: str) -> Path:
-        """A use marker's path (``enroot.cacheuse`` names them)."""
+        """A use marker's path (``enroot.cache.uses`` names them)."""
         return self.uses / name
 
     @property

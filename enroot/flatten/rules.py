@@ -1,8 +1,8 @@
 """The layer rules: what one tar entry of a layer means for the root, each rule written once.
 
-Every path that reads layers asks here: the stream (``enroot.streamer``), the view
-(``enroot.view``) and its writer (``enroot.viewwriter``), the check of the stream against
-the view, and the set-id listing a published squashfs is held to.  A change to a rule is a
+Every path that reads layers asks here: the stream (``streamer``), the view (``view``) and
+its writer (``viewwriter``), the check of the stream against the view, and the set-id listing
+a published squashfs is held to.  A change to a rule is a
 change to this module only.
 
 * **Names** (:func:`normalize`): relative, slash-joined; refused when absolute, with ``..``,
@@ -28,7 +28,7 @@ change to this module only.
   (:data:`RUNTIME_MOUNT_POINTS`).
 * **Hard links to hidden bytes**: a hard link whose target a later layer replaced still
   shows the old bytes (as overlayfs does): they are kept while the layers stream and
-  written as a regular file (``enroot.links``).
+  written as a regular file (``enroot.flatten.links``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from __future__ import annotations
 from typing import Literal
 
 from imgpipe.enroot.errors import HostileLayerError
-from imgpipe.enroot.tarreader import Member
+from imgpipe.enroot.flatten.tarreader import Member
 
 MAX_NAME = 4095
 MAX_COMPONENT = 255

@@ -1,9 +1,9 @@
 """The view written out: the flattened root as one tar stream or an unpacked tree, from the
-view (``enroot.view``) and a second read of the layers, bottom first.
+view (``enroot.flatten.view``) and a second read of the layers, bottom first.
 
 Only the entries that survived are written, with Enroot's permission fix and every entry
-owned by root (``enroot.layerrules``); hard links whose bytes a later layer hid come from
-spools (``enroot.links``); Enroot's rc files come last.  Every byte is verified on use,
+owned by root (``enroot.flatten.rules``); hard links whose bytes a later layer hid come from
+spools (``enroot.flatten.links``); Enroot's rc files come last.  Every byte is verified on use,
 while it is read anyway: the blob against its digest and the tar against the config's
 ``diff_id`` (a cached blob may have changed since the view was made: what was written is
 what is checked).  Nothing is written to disk for a stream: the consumer (tar2sqfs) gets a
@@ -18,12 +18,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-from imgpipe.enroot.layerreader import LayerPipe, LayerReader, LayerSource
-from imgpipe.enroot.layerrules import fixed_mode
-from imgpipe.enroot.links import HiddenBytes, file_owners, link_item, orphaned
-from imgpipe.enroot.tarreader import Member, layer_errors
-from imgpipe.enroot.tarwriter import COPY_CHUNK, END_OF_ARCHIVE, Exact, Item, write_item
-from imgpipe.enroot.view import Entry, MergedView
+from imgpipe.enroot.flatten.layerreader import LayerPipe, LayerReader, LayerSource
+from imgpipe.enroot.flatten.links import HiddenBytes, file_owners, link_item, orphaned
+from imgpipe.enroot.flatten.rules import fixed_mode
+from imgpipe.enroot.flatten.tarreader import Member, layer_errors
+from imgpipe.enroot.flatten.tarwriter import COPY_CHUNK, END_OF_ARCHIVE, Exact, Item, write_item
+from imgpipe.enroot.flatten.view import Entry, MergedView
 
 
 def flattened(view: MergedView, layers: list[LayerSource]) -> Iterator[Item]:

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from imgpipe.enroot.errors import ConvertError, HostileLayerError
-from imgpipe.enroot.fetch import FetchedImage, ImageFetch
-from imgpipe.enroot.layerreader import LayerSource
+from imgpipe.enroot.fetch.blobs import FetchedImage, ImageFetch
+from imgpipe.enroot.flatten.layerreader import LayerSource
 
 # Layer media types a conversion accepts (OCI and Docker schema 2); anything else, such as
 # foreign (Windows) layers or artifacts, is refused rather than guessed at.

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from imgpipe.base.files import open_regular
+from imgpipe.enroot.cache.storage import Storage, digest_hex, make_shared_dir
+from imgpipe.enroot.cache.trust import check_layout_folder
 from imgpipe.enroot.errors import ConvertError
-from imgpipe.enroot.storage import Storage, digest_hex, make_shared_dir
-from imgpipe.enroot.trust import check_layout_folder
 
 SQSH_DIGEST = re.compile(r"\+sha256-(?P<hex>[0-9a-f]{64})\+")
 @dataclass

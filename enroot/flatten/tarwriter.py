@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import IO, Protocol
 
 from imgpipe.enroot.errors import HostileLayerError
-from imgpipe.enroot.layerreader import STREAM_ERRORS, ChunkReader, LayerSource
-from imgpipe.enroot.layerrules import IMPLICIT_DIR_MODE
-from imgpipe.enroot.tarreader import Member
+from imgpipe.enroot.flatten.layerreader import STREAM_ERRORS, ChunkReader, LayerSource
+from imgpipe.enroot.flatten.rules import IMPLICIT_DIR_MODE
+from imgpipe.enroot.flatten.tarreader import Member
 
 TAR_ENCODING = "utf-8"  # tarfile's default on Linux (the file system encoding)
 COPY_CHUNK = 1 << 20

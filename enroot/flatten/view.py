@@ -2,7 +2,7 @@
 
 A layer's entries replace those of the layers below at the same path (a directory over a
 directory keeps the lower one's children), whiteouts remove lower entries, and every entry
-obeys the layer rules (``enroot.layerrules``), checked before it can matter: refusals name
+obeys the layer rules (``enroot.flatten.rules``), checked before it can matter: refusals name
 the layer and the entry.  The fold runs over headers a caller already holds
 (:class:`ViewBuilder`: the streamer collects them as it writes) or over headers read here
 (:func:`merge`, the first of the two passes: two decoders read every other layer each,
@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from imgpipe.enroot.errors import HostileLayerError
-from imgpipe.enroot.layerreader import LayerPipe, LayerSource
-from imgpipe.enroot.layerrules import (
+from imgpipe.enroot.flatten.layerreader import LayerPipe, LayerSource
+from imgpipe.enroot.flatten.rules import (
     MOUNT_POINT_MODE,
     RUNTIME_MOUNT_POINTS,
     check_symlink,
@@ -34,8 +34,8 @@ from imgpipe.enroot.layerrules import (
     symlinked_parent,
     whiteout_of,
 )
-from imgpipe.enroot.tarreader import Member, read_layer
-from imgpipe.enroot.tarwriter import Item, implicit_dir
+from imgpipe.enroot.flatten.tarreader import Member, read_layer
+from imgpipe.enroot.flatten.tarwriter import Item, implicit_dir
 
 HEADER_READERS = 2  # decoders reading layers' headers at once (every other layer each)
 # Blob bytes past which a second decoder pays for its start (a process: about 0.1 s)

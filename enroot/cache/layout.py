@@ -4,7 +4,7 @@
 account): the root folder 1777 (3775 with a group), the layout owned by the service account
 or root, never adopted from a job user.  ``audit`` is what ``imgpipe doctor`` and ``imgpipe
 cache ls`` report: wrong owners or modes, links and non-files, planted look-alike names.
-Who is trusted with what is ``enroot.trust``'s; the names are ``enroot.storage``'s.
+Who is trusted with what is ``enroot.cache.trust``'s; the names are ``enroot.cache.storage``'s.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import stat
 from pathlib import Path
 
 from imgpipe.base.files import atomic_write
-from imgpipe.enroot.errors import ConvertError
-from imgpipe.enroot.storage import (
+from imgpipe.enroot.cache.storage import (
     CACHEDIR_TAG,
     LAYOUT_VERSION,
     Storage,
     make_shared_dir,
 )
-from imgpipe.enroot.trust import check_entry, check_layout_folder, user_name
+from imgpipe.enroot.cache.trust import check_entry, check_layout_folder, user_name
+from imgpipe.enroot.errors import ConvertError
 
 
 def make_layout(storage: Storage, group: str | None = None) -> list[str]:

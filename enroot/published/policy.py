@@ -20,11 +20,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from imgpipe.enroot.cache.storage import Storage, fetched_stem
 from imgpipe.enroot.errors import ConvertError
-from imgpipe.enroot.pins import Pins
-from imgpipe.enroot.published import PublishedSquashfs, fetch, find_published
-from imgpipe.enroot.storage import Storage, fetched_stem
-from imgpipe.enroot.view import MergedView
+from imgpipe.enroot.flatten.view import MergedView
+from imgpipe.enroot.published.artifact import PublishedSquashfs, fetch, find_published
+from imgpipe.enroot.published.pins import Pins
 from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.errors import DigestMismatchError
 

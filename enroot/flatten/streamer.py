@@ -1,7 +1,7 @@
 """The streamer: layers -> the flattened root as one tar stream, each layer read once, top
 layer first (the default converter path).
 
-Reading the view first and the layers again (``enroot.view``, ``enroot.viewwriter``)
+Reading the view first and the layers again (``enroot.flatten.view``, ``enroot.flatten.viewwriter``)
 decompresses every layer twice; at NGC scale that second decompression is a quarter of the
 work.  The streamer reads the layers from the top down and decides each entry from what the
 layers above it hold, while its bytes are at hand (:class:`Above`):
@@ -12,11 +12,11 @@ layers above it hold, while its bytes are at hand (:class:`Above`):
 * a lower non-directory where an upper layer has something below is hidden (the upper
   layer's directory, written or implied, replaces it).
 
-What each entry is, and what is refused, is the layer rules' (``enroot.layerrules``).
+What each entry is, and what is refused, is the layer rules' (``enroot.flatten.rules``).
 tar2sqfs places entries by path, whatever their order (it makes parents on the way and
 takes a directory's own entry later), so the stream needs no sorting.  Hard links carry no
 data and are written last, from the view, pointing at a file already written
-(``enroot.links``).
+(``enroot.flatten.links``).
 
 Nothing here is trusted on its own.  The headers are collected as they stream by, and at
 the end the view is folded from them (refusing a hostile layer with the view's errors); it
@@ -35,8 +35,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO
 
-from imgpipe.enroot.layerreader import LayerPipe, LayerReader, LayerSource
-from imgpipe.enroot.layerrules import (
+from imgpipe.enroot.flatten.layerreader import LayerPipe, LayerReader, LayerSource
+from imgpipe.enroot.flatten.links import HiddenBytes, file_owners, link_item
+from imgpipe.enroot.flatten.rules import (
     dropped,
     fixed_mode,
     hardlink_target,
@@ -44,9 +45,8 @@ from imgpipe.enroot.layerrules import (
     normalize,
     whiteout_of,
 )
-from imgpipe.enroot.links import HiddenBytes, file_owners, link_item
-from imgpipe.enroot.tarreader import Member, read_layer
-from imgpipe.enroot.tarwriter import (
+from imgpipe.enroot.flatten.tarreader import Member, read_layer
+from imgpipe.enroot.flatten.tarwriter import (
     COPY_CHUNK,
     END_OF_ARCHIVE,
     Exact,
@@ -57,7 +57,7 @@ from imgpipe.enroot.tarwriter import (
     write_item,
     write_padding,
 )
-from imgpipe.enroot.view import Entry, MergedView, ViewBuilder
+from imgpipe.enroot.flatten.view import Entry, MergedView, ViewBuilder
 
 SPLICE_FROM = 64 << 10  # a file's bytes left, past which they move pipe to pipe (splice)
 

@@ -1,0 +1,8 @@
+"""imgpipe.enroot.published: squashfs files published beside their image.
+
+    policy      whether a published squashfs may stand in for a conversion (pinned, or
+                the site's opt-in checked against the layers), and fetching it when so
+    artifact    the OCI artifact: find it among the referrers, publish, fetch, check
+    pins        which published squashfs digests a job trusts for each image (the
+                importer's fast path reads them with the standard library alone)
+"""
