@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, TextIO
 
+from imgpipe.base.terminal import safe_line
 from imgpipe.base.units import human_bytes
 
 if TYPE_CHECKING:
@@ -48,6 +49,7 @@ class Progress:
         """A milestone: always shown (unless quiet)."""
         if self.mode == "quiet":
             return
+        text = safe_line(text)  # the last guard: no control character reaches a screen
         if self._console is not None:
             self._console.print(text, highlight=False, markup=False)
         else:

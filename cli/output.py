@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from imgpipe.base.terminal import safe_line
+
 ENVELOPE_VERSION = 1
 
 
@@ -61,8 +63,8 @@ def emit(invocation: Invocation, result: Result) -> None:
     if invocation.json:
         print(envelope(invocation.command, "ok" if result.ok else "failed", result.data))
     else:
-        for line in result.lines:
-            print(line)
+        for line in result.lines:  # names in them were escaped where they entered; this is
+            print(safe_line(line))  # the last guard: no control character reaches a screen
 
 
 def emit_error(invocation: Invocation, code: str, message: str, hint: str | None) -> None:
@@ -72,4 +74,4 @@ def emit_error(invocation: Invocation, code: str, message: str, hint: str | None
             error["hint"] = hint
         print(envelope(invocation.command, "error", errors=[error]))
     text = f"error: {message}" + (f" (hint: {hint})" if hint else "")
-    print(text, file=sys.stderr)
+    print(safe_line(text), file=sys.stderr)

@@ -31,8 +31,9 @@ from pathlib import Path
 from imgpipe.base import process
 from imgpipe.base.config import Settings
 from imgpipe.base.errors import ImgpipeError
+from imgpipe.base.terminal import shown
 from imgpipe.commands.wiring import registry_client, squash_options, storage
-from imgpipe.enroot.cache.trust import shown, user_name
+from imgpipe.enroot.cache.trust import user_name
 from imgpipe.enroot.convert import convert, resolve_digest
 from imgpipe.enroot.errors import ConvertError
 from imgpipe.enroot.published.pins import PINS_ENV

@@ -236,7 +236,9 @@ def fast_get(uri: str) -> Path | None:
 
 
 def _say(text: str) -> None:
-    print(f"imgpipe: {text}", file=sys.stderr, flush=True)
+    from imgpipe.base.terminal import safe_line
+
+    print(safe_line(f"imgpipe: {text}"), file=sys.stderr, flush=True)
 
 
 def get(uri: str) -> Path:

@@ -21,7 +21,8 @@ from imgpipe.commands.wiring import registry_client, squash_options, storage
 from imgpipe.enroot.cache.storage import Storage
 from imgpipe.enroot.convert import Conversion, convert, convert_privately, resolve_digest
 from imgpipe.enroot.errors import VerifyError
-from imgpipe.enroot.published.artifact import PublishedSquashfs, described, find_published, publish
+from imgpipe.enroot.published.artifact import PublishedSquashfs, find_published, publish
+from imgpipe.enroot.published.inodes import entries
 from imgpipe.pipeline.catalog import load_catalog, select
 from imgpipe.pipeline.lock import lock_path, read_lock, updating_lock
 from imgpipe.registry.reference import Reference
@@ -68,7 +69,7 @@ def publish_squashfs(settings: Settings, name: str, flavor: str, progress: Progr
                           + (f" ({platform})" if platform else ""))
             published, pushed = publish(
                 client, ref.repository, manifest, conversion.path, blob, compression,
-                len(described(conversion.path)),
+                len(entries(conversion.path)),
                 progress.transfer(f"push squashfs {ref.repository}", conversion.size))
             progress.done()
             _record_pin(settings, name, flavor, digest, compression, blob)

@@ -7,10 +7,8 @@ from pathlib import Path
 
 from imgpipe.base.config import Settings
 from imgpipe.enroot.cache.storage import Storage
-from imgpipe.enroot.cache.trust import CacheTrust, shown
+from imgpipe.enroot.cache.trust import CacheTrust
 from imgpipe.enroot.squash.tools import SquashOptions, compression_of
-
-__all__ = ["shown"]  # text other users wrote, escaped for a terminal (cli renders it)
 from imgpipe.registry.auth import (
     Credentials,
     credentials_from_docker_config,

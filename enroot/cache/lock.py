@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import IO
 
 from imgpipe.base.regular import open_regular
-from imgpipe.enroot.cache.trust import CacheTrust, shown, user_name
+from imgpipe.base.terminal import shown
+from imgpipe.enroot.cache.trust import CacheTrust, user_name
 from imgpipe.enroot.errors import ConvertError
 
 

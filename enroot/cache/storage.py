@@ -51,12 +51,12 @@ from imgpipe.base.files import (
     owner_tag,
     read_regular,
 )
+from imgpipe.base.terminal import shown
 from imgpipe.enroot.cache.lock import digest_lock
 from imgpipe.enroot.cache.trust import (
     CacheTrust,
     check_entry,
     check_layout_folder,
-    shown,
     user_name,
 )
 from imgpipe.enroot.errors import ConvertError

@@ -119,11 +119,3 @@ def folder_root(folder: Path) -> Path:
         if parent.name == ".imgpipe":
             return parent.parent
     return folder
-
-
-def shown(text: str, limit: int = 160) -> str:
-    """Text another user wrote, safe for a terminal: anything but printable ASCII escaped
-    (no control sequence reaches the screen), cut at ``limit`` characters."""
-    out = "".join(c if " " <= c <= "~" else c.encode("unicode_escape").decode("ascii")
-                  for c in text[:limit])
-    return out + ("..." if len(text) > limit else "")

@@ -5,4 +5,6 @@
     artifact    the OCI artifact: find it among the referrers, publish, fetch, check
     pins        which published squashfs digests a job trusts for each image (the
                 importer's fast path reads them with the standard library alone)
+    inodes      what a squashfs file holds (paths, kinds, modes, owners), read from its
+                binary tables: no name can make an entry read as another
 """

@@ -14,25 +14,20 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import lzma
 import os
 import re
 import shutil
-import struct
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-import zstandard
-
-from imgpipe.base import process
-from imgpipe.base.files import atomic_path, open_regular
+from imgpipe.base.files import atomic_path
+from imgpipe.base.terminal import shown
 from imgpipe.enroot.cache.storage import FORMAT, Storage
-from imgpipe.enroot.cache.trust import shown
 from imgpipe.enroot.errors import ConvertError, NoSpaceError
 from imgpipe.enroot.flatten.rules import is_setid
+from imgpipe.enroot.published.inodes import entries, owners_and_xattrs
 from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.errors import RegistryError
 from imgpipe.registry.manifests import Manifest
@@ -54,8 +49,6 @@ TITLE = "org.opencontainers.image.title"
 
 MAX_REFERRERS = 64  # artifacts read per subject: bounded work whatever a pusher lists
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
-# rdsquashfs --describe: "KIND PATH MODE UID GID ...", PATH quoted when it holds blanks
-DESCRIBED = re.compile(r'^(\w+) ("(?:[^"\\]|\\.)*"|\S+) ([0-7]+) ')
 
 
 @dataclass(frozen=True)
@@ -197,73 +190,13 @@ def partial_path(storage: Storage, blob: str) -> Path:
     return storage.partial_download(blob)
 
 
-def described(path: Path) -> list[tuple[str, str, int]]:
-    """(kind, path, mode) of every entry of a squashfs file, read from its inode table."""
-    listing = process.run(["rdsquashfs", "--describe", str(path)], timeout=600,
-                          what="rdsquashfs --describe").stdout
-    entries = []
-    for line in listing.splitlines():
-        match = DESCRIBED.match(line)
-        if match is None:
-            raise ConvertError(f"{path}: rdsquashfs described an entry imgpipe cannot read: "
-                               f"{line[:120]!r}")
-        name = match[2]
-        if name.startswith('"'):
-            name = json.loads(name)
-        entries.append((match[1], name, int(match[3], 8)))
-    return entries
-
-
-SUPERBLOCK = struct.Struct("<IIIIIHHHHHHQQQQQQQQ")  # squashfs 4.0, little-endian, 96 bytes
-NO_TABLE = 0xFFFFFFFFFFFFFFFF
-METADATA_UNCOMPRESSED = 0x8000
-
-
-def owners_and_xattrs(path: Path) -> tuple[set[int], bool]:
-    """The uids and gids a squashfs file uses (its id table) and whether it has extended
-    attributes (file capabilities live there), read from the binary superblock and id table:
-    no file name can make these say anything else."""
-    with os.fdopen(open_regular(path), "rb") as handle:
-        head = handle.read(SUPERBLOCK.size)
-        if len(head) < SUPERBLOCK.size:
-            raise ConvertError(f"{path}: too short for a squashfs superblock")
-        fields = SUPERBLOCK.unpack(head)
-        magic, compressor, id_count = fields[0], fields[5], fields[8]
-        id_table, xattr_table = fields[13], fields[14]
-        if magic != 0x73717368:
-            raise ConvertError(f"{path}: not a squashfs file")
-        blocks = (id_count * 4 + 8191) // 8192
-        handle.seek(id_table)
-        pointers = struct.unpack(f"<{blocks}Q", handle.read(8 * blocks))
-        ids: list[int] = []
-        for pointer in pointers:
-            handle.seek(pointer)
-            (header,) = struct.unpack("<H", handle.read(2))
-            data = handle.read(header & 0x7FFF)
-            if not header & METADATA_UNCOMPRESSED:
-                data = _inflate_metadata(compressor, data, path)
-            ids += struct.unpack(f"<{len(data) // 4}I", data[:len(data) // 4 * 4])
-    return set(ids[:id_count]), xattr_table != NO_TABLE
-
-
-def _inflate_metadata(compressor: int, data: bytes, path: Path) -> bytes:
-    if compressor == 1:
-        return zlib.decompress(data)
-    if compressor == 6:
-        return zstandard.ZstdDecompressor().decompress(data, max_output_size=8192)
-    if compressor in (2, 4):
-        return lzma.decompress(data)
-    raise ConvertError(f"{path}: its id table is compressed with a method imgpipe cannot read "
-                       f"(squashfs compressor {compressor})")
-
-
 def check_contents(path: Path, allowed_setuid: set[str] | None) -> int:
     """Refuse a fetched squashfs holding what no conversion makes: files of an owner other
     than root, extended attributes (file capabilities), device files, sockets, and (when
     ``allowed_setuid`` is given: the image's layers' own) setuid or setgid files the layers
-    did not have.  Owners and attributes come from the binary superblock and id table, kinds
-    and modes from rdsquashfs's inode listing, where any line it cannot read refuses the
-    file.  Returns the entry count."""
+    did not have.  All of it is read from the file's binary tables (``inodes``): no name can
+    make an entry read as another mode, and a table that does not parse refuses the file.
+    Returns the entry count."""
     owners, has_xattrs = owners_and_xattrs(path)
     if owners - {0}:
         raise ConvertError(f"the published squashfs owns files by uid/gid "
@@ -272,8 +205,9 @@ def check_contents(path: Path, allowed_setuid: set[str] | None) -> int:
     if has_xattrs:
         raise ConvertError("the published squashfs has extended attributes (file capabilities "
                            "live there), which no conversion makes: refused")
-    entries = described(path)
-    for kind, name, mode in entries:
+    listed = entries(path)
+    for entry in listed:
+        kind, name, mode = entry.kind, entry.path, entry.mode
         if kind not in ("dir", "file", "slink", "pipe"):
             raise ConvertError(f"the published squashfs holds {kind} /{name}, which no "
                                "conversion makes: refused")
@@ -281,7 +215,7 @@ def check_contents(path: Path, allowed_setuid: set[str] | None) -> int:
                 and name not in allowed_setuid):
             raise ConvertError(f"the published squashfs has a set-id file /{name} "
                                f"(mode {mode:o}) that the image's layers do not have: refused")
-    return len(entries)
+    return len(listed)
 
 
 def fetch(client: RegistryClient, storage: Storage, published: PublishedSquashfs, final: Path,
@@ -297,9 +231,9 @@ def fetch(client: RegistryClient, storage: Storage, published: PublishedSquashfs
     received = fetch_resumable(client, published.repository, published.blob, partial,
                                progress, published.size)
     try:
-        entries = check_contents(partial, allowed_setuid)
+        count = check_contents(partial, allowed_setuid)
         with atomic_path(final, mode=0o644) as tmp:
             os.replace(partial, tmp)
     finally:
         partial.unlink(missing_ok=True)
-    return received, entries
+    return received, count

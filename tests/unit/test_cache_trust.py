@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from imgpipe.base.terminal import shown
 from imgpipe.enroot.cache.layout import audit, make_layout
 from imgpipe.enroot.cache.storage import Storage
-from imgpipe.enroot.cache.trust import CacheTrust, shown
+from imgpipe.enroot.cache.trust import CacheTrust
 from imgpipe.enroot.errors import ConvertError
 
 DIGEST = "sha256:" + "a" * 64

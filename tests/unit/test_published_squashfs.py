@@ -65,7 +65,7 @@ def test_a_fetched_squashfs_with_a_device_file_is_refused_even_when_pinned(tmp_p
     device = _member("dev/evil", tarfile.CHRTYPE, 0o666)
     device.devmajor, device.devminor = 1, 3
     path = _squashfs(tmp_path, _member("usr/", tarfile.DIRTYPE, 0o755), device)
-    with pytest.raises(ConvertError, match="holds nod /dev/evil"):
+    with pytest.raises(ConvertError, match="holds chrdev /dev/evil"):
         check_contents(path, None)
 
 
