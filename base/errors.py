@@ -22,6 +22,7 @@ Hierarchy::
     │   ├── HostileLayerError       a layer entry or stream that cannot be trusted
     │   ├── BlobDigestError         a cached blob changed since it was fetched
     │   ├── NoSpaceError            the squashfs folder is full (folder, needed, free)
+    │   ├── SquashfsFormatError     a squashfs file whose tables do not parse (refused)
     │   └── VerifyError             a published squashfs differs from a local conversion
     └── RecipeError                 imgpipe.recipes.errors: rendering, publishing, pulling
         ├── ShapeError              a shape that cannot keep the global batch (exit 2)

@@ -45,7 +45,7 @@ def ls_command(ctx: click.Context) -> Result:
                      f"{shown(users)}")
     total = sum(e.size for e in found)
     lines.append(f"{len(found)} entries, {human_bytes(total)}")
-    lines += [f"unsafe: {shown(problem)}" for problem in unsafe]
+    lines += [f"unsafe: {problem}" for problem in unsafe]  # audit escaped the names in them
     return Result({"entries": [{"kind": e.kind, "path": e.path, "size": e.size,
                                 "last_use": e.last_use, "users": e.users} for e in found],
                    "total": total, "unsafe": unsafe}, lines)
@@ -71,10 +71,13 @@ def prune_command(ctx: click.Context, max_size: int | None, unused_for: float | 
     verb = "would remove" if dry_run else "removed"
     lines = [f"{verb} {len(result.removed)} entries ({human_bytes(result.freed)}); "
              f"{human_bytes(result.total_after)} left"]
-    lines += [f"  {verb} {e.kind} {e.path.name}" for e in result.removed]
-    lines += [f"  kept (in use: {', '.join(e.users) or 'locked'}) {e.path.name}"
+    lines += [f"  {verb} {e.kind} {shown(e.path.name)}" for e in result.removed]
+    lines += [f"  kept (in use: {shown(', '.join(e.users)) or 'locked'}) {shown(e.path.name)}"
               for e in result.kept_in_use]
+    skipped = result.skipped_line()
+    lines += [skipped] if skipped else []
     return Result({"removed": [str(e.path) for e in result.removed],
                    "kept_in_use": [str(e.path) for e in result.kept_in_use],
+                   "not_yours": [str(e.path) for e in result.not_yours],
                    "freed": result.freed, "total_after": result.total_after,
                    "dry_run": dry_run}, lines)

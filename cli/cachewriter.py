@@ -40,16 +40,24 @@ def main(argv: list[str] | None = None) -> int:
     if why is not None:
         print(f"imgpipe-cache-writer: error: {why}", file=sys.stderr)
         return 1
+    # sudo keeps the caller's umask: a job user's 077 would leave the shared entries (and
+    # their blobs) unreadable to every other user.  The writer's files are its own choice.
+    os.umask(0o022)
     from imgpipe.base.config import load_settings
     from imgpipe.base.errors import ImgpipeError
+    from imgpipe.base.terminal import safe_line
     from imgpipe.commands.cachewriter import write_shared
 
+    def say(text: str) -> None:
+        print(safe_line(f"imgpipe-cache-writer: {text}"), file=sys.stderr, flush=True)
+
     try:
-        written = write_shared(load_settings(config), args[0],
-                               say=lambda text: print(f"imgpipe-cache-writer: {text}",
-                                                      file=sys.stderr, flush=True))
+        written = write_shared(load_settings(config), args[0], say=say)
     except ImgpipeError as exc:
-        print(f"imgpipe-cache-writer: error: {exc}", file=sys.stderr)
+        say(f"error: {exc}")
+        return 1
+    except OSError as exc:  # whatever stands at a shared name (a folder, say): one line
+        say(f"error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
         return 1
     print(written.path, flush=True)
     return 0

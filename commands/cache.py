@@ -3,12 +3,18 @@ keeping it bounded."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from imgpipe.base.config import Settings
+from imgpipe.base.errors import ImgpipeError
+from imgpipe.base.terminal import shown
+from imgpipe.base.units import human_bytes, parse_size
 from imgpipe.commands.wiring import storage
 from imgpipe.enroot.cache.layout import audit
+from imgpipe.enroot.cache.storage import Storage
 from imgpipe.enroot.cache.uses import Entry, Pruned, entries, prune
 
-__all__ = ["Entry", "Pruned", "list_cache", "prune_cache"]
+__all__ = ["Entry", "Pruned", "list_cache", "prune_after_conversion", "prune_cache"]
 
 
 def list_cache(settings: Settings) -> tuple[list[Entry], list[str]]:
@@ -20,3 +26,20 @@ def list_cache(settings: Settings) -> tuple[list[Entry], list[str]]:
 def prune_cache(settings: Settings, max_size: int | None, unused_for_s: float | None,
                 dry_run: bool) -> Pruned:
     return prune(storage(settings), max_size, unused_for_s, dry_run)
+
+
+def prune_after_conversion(cache: Storage, max_size: str, say: Callable[[str], None]) -> None:
+    """Keep the cache under ``enroot.cache_max_size`` after a conversion (the importer's
+    ``get``, the cache writer): what this user may not remove is left with one line, and
+    nothing here ever fails the conversion that just succeeded."""
+    try:
+        pruned = prune(cache, max_size=parse_size(max_size))
+    except (ImgpipeError, OSError) as exc:
+        say(f"pruning the cache to {max_size} did not finish: {shown(str(exc))}")
+        return
+    if pruned.removed:
+        say(f"pruned {len(pruned.removed)} entries ({human_bytes(pruned.freed)}) to keep the "
+            f"cache under {max_size}")
+    skipped = pruned.skipped_line()
+    if skipped:
+        say(skipped)

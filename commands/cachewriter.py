@@ -32,6 +32,7 @@ from imgpipe.base import process
 from imgpipe.base.config import Settings
 from imgpipe.base.errors import ImgpipeError
 from imgpipe.base.terminal import shown
+from imgpipe.commands.cache import prune_after_conversion
 from imgpipe.commands.wiring import registry_client, squash_options, storage
 from imgpipe.enroot.cache.trust import user_name
 from imgpipe.enroot.convert import convert, resolve_digest
@@ -74,6 +75,8 @@ def write_shared(settings: Settings, argument: str,
                    connections=enroot.max_connections,
                    published=PublishedPolicy(enroot.published, frozenset(),
                                              enroot.published_unpinned))
+    if done.converted and enroot.cache_max_size:  # the shared entries are the writer's
+        prune_after_conversion(cache, enroot.cache_max_size, say)
     return Written(done.path, done.converted, time.monotonic() - started)
 
 

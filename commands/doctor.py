@@ -174,6 +174,10 @@ def check_cache(settings: Settings) -> Check:
         problems = audit(cache)
     except ImgpipeError as exc:
         return Check("squashfs cache", "warn", exc.message, exc.hint, required=False)
+    if cache.shared and _sysctl("fs/protected_hardlinks") != "1":
+        problems.insert(0, "fs.protected_hardlinks is not 1: a job user may hard-link "
+                        "another entry's file under a shared name (sysctl -w "
+                        "fs.protected_hardlinks=1, and in /etc/sysctl.d)")
     if problems:
         return Check("squashfs cache", "warn", f"{cache.root}: " + "; ".join(problems[:5])
                      + (f"; and {len(problems) - 5} more" if len(problems) > 5 else ""),
@@ -182,6 +186,13 @@ def check_cache(settings: Settings) -> Check:
     kind = "shared" if cache.shared else "private"
     return Check("squashfs cache", "ok", f"{cache.root} ({kind}; layout owned by "
                  f"{cache.trust.admin_names() if cache.shared else 'you'})", required=False)
+
+
+def _sysctl(name: str) -> str | None:
+    try:
+        return Path("/proc/sys", name).read_text().strip()
+    except OSError:
+        return None
 
 
 def check_platforms(settings: Settings) -> list[Check]:

@@ -266,10 +266,9 @@ def get(uri: str) -> Path:
         connections=enroot.max_connections,
         published=PublishedPolicy(enroot.published, unpinned=enroot.published_unpinned))
     if conversion.converted and enroot.cache_max_size:
-        from imgpipe.base.units import parse_size
-        from imgpipe.enroot.cache.uses import prune
+        from imgpipe.commands.cache import prune_after_conversion
 
-        prune(storage(settings), max_size=parse_size(enroot.cache_max_size))
+        prune_after_conversion(storage(settings), enroot.cache_max_size, _say)
     return conversion.path
 
 

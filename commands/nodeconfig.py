@@ -3,6 +3,7 @@ install lines, by the nodes' Pyxis and Enroot), and setting the shared cache up.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from imgpipe.base.config import Settings
@@ -37,6 +38,7 @@ def make_cache(settings: Settings, folder: str, group: str | None
                ) -> tuple[Path, list[str], str]:
     """Set the shared squashfs folder up (``folder``, default outputs.squashfs_dir): its
     root, what was done (a line each), and who owns its layout."""
-    cache = storage(settings, Path(folder).resolve() if folder else None)
+    # As written, never resolved: a link on the way is refused, not followed (rootpath).
+    cache = storage(settings, Path(os.path.abspath(folder)) if folder else None)
     done = make_layout(cache, group)
     return cache.root, done, cache.trust.admin_names()

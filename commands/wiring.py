@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,8 +39,12 @@ def registry_client(settings: Settings) -> RegistryClient:
 
 def storage(settings: Settings, root: Path | None = None) -> Storage:
     """The squashfs folder ``root`` (default: outputs.squashfs_dir) with the site's trust."""
-    return Storage(root or settings.path(settings.outputs.squashfs_dir).resolve(),
-                   CacheTrust.of(settings.enroot.cache_owner), settings.enroot.lock_timeout_s)
+    trust = CacheTrust.of(settings.enroot.cache_owner)
+    folder = root or settings.path(settings.outputs.squashfs_dir)
+    # Root and the service account take the path as written (a link on it is refused, never
+    # followed: enroot.cache.rootpath); a job user acts with its own rights only.
+    folder = Path(os.path.abspath(folder)) if trust.is_admin else folder.resolve()
+    return Storage(folder, trust, settings.enroot.lock_timeout_s)
 
 
 def squash_options(settings: Settings, image_choice: str | None = None,

@@ -210,7 +210,7 @@ def _fetch_published(client: RegistryClient, storage: Storage, target: _Target,
 
     def layers_view() -> MergedView:
         image = fetch_image(client, storage, repository, target.digest,
-                            connections=connections)
+                            connections=connections, say=target.say)
         return merge(layer_sources(image), rc_files(image.config))
 
     fetched = fetch_trusted(client, storage, repository, target.digest,
@@ -247,7 +247,8 @@ def _convert_locked(client: RegistryClient, storage: Storage, target: _Target,
     try:
         with ImageFetch(client, storage, repository, digest, connections=connections,
                         on_bytes=target.count(f"fetch {repository}", missing or None),
-                        top_first=target.options.tool == "tar2sqfs") as fetching:
+                        top_first=target.options.tool == "tar2sqfs",
+                        say=target.say) as fetching:
             return _convert_arriving(client, storage, target, Arrivals(fetching))
     except (OSError, ConvertError) as exc:
         if not isinstance(exc, NoSpaceError) and _out_of_space(exc):

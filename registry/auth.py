@@ -27,7 +27,10 @@ from urllib.parse import urlsplit
 import requests
 from requests.utils import parse_dict_header
 
-from imgpipe.registry.errors import AuthError
+from imgpipe.registry.documents import read_capped
+from imgpipe.registry.errors import AuthError, RegistryError
+
+TOKEN_LIMIT = 1 << 20  # a token answer is a few KiB
 
 log = logging.getLogger(__name__)
 
@@ -161,10 +164,14 @@ class Authenticator:
                       realm)
         try:
             reply = self.session.get(
-                realm, params=query, headers=headers, timeout=self.timeout, verify=self.verify
-            )
+                realm, params=query, headers=headers, timeout=self.timeout, verify=self.verify,
+                stream=True)
         except requests.RequestException as exc:
             raise AuthError(f"token endpoint {realm} unreachable: {type(exc).__name__}") from exc
+        try:
+            read_capped(reply, TOKEN_LIMIT, f"token endpoint {realm}")
+        except RegistryError as exc:
+            raise AuthError(exc.message) from exc
         if reply.status_code in (401, 403) and "Authorization" not in headers \
                 and self.credentials is not None:
             raise AuthError(

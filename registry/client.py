@@ -25,6 +25,7 @@ from urllib3.util.retry import Retry
 from imgpipe.base.files import atomic_path
 from imgpipe.base.platforms import Platform, host_platform
 from imgpipe.registry.auth import Authenticator, Credentials
+from imgpipe.registry.documents import DOCUMENT_LIMIT, read_capped
 from imgpipe.registry.errors import AuthError, DigestMismatchError, RegistryError
 from imgpipe.registry.manifests import Manifest, select_platform, sha256_digest
 from imgpipe.registry.mediatypes import (  # noqa: F401 (re-exported)
@@ -100,8 +101,10 @@ class RegistryClient:
         params: dict[str, Any] | None = None,
         stream: bool = False,
         data: bytes | None = None,
+        limit: int = DOCUMENT_LIMIT,
     ) -> requests.Response:
-        """One request, with the auth loop; raises RegistryError unless status is in ``ok``."""
+        """One request, with the auth loop; raises RegistryError unless status is in ``ok``.
+        Unless ``stream``, the body is a document: read at once, at most ``limit`` bytes."""
         url = path if path.startswith(("http://", "https://")) else self.base_url + path
         accepted = set(ok)
         sent_headers = dict(headers or {})
@@ -110,7 +113,11 @@ class RegistryClient:
         for attempt in range(3):  # anonymous or cached header, then at most two challenges
             if self._authorization and ours:
                 sent_headers["Authorization"] = self._authorization
-            response = self._send(method, url, sent_headers, params, stream, data)
+            # Always streamed: a document is then read capped (registry.documents), and a
+            # blob by its caller, never a whole body of whatever length the server sends.
+            response = self._send(method, url, sent_headers, params, True, data)
+            if not stream or response.status_code not in accepted:
+                read_capped(response, limit, f"{method} {url}")
             if response.status_code != 401 or 401 in accepted or not ours:
                 break
             if attempt == 2:
@@ -285,14 +292,9 @@ class RegistryClient:
         """The manifest or index stored under ``digest``, as it is (an index is not
         resolved), at most ``limit`` bytes read and its digest checked: for reading what
         any pusher may have written (artifacts, referrers)."""
-        response = self.request("GET", f"/v2/{repository}/manifests/{digest}", stream=True,
+        response = self.request("GET", f"/v2/{repository}/manifests/{digest}", limit=limit,
                                 headers={"Accept": MANIFEST_ACCEPT})
-        try:
-            raw = response.raw.read(limit + 1, decode_content=True)
-        finally:
-            response.close()
-        if len(raw) > limit:
-            raise RegistryError(f"manifest {digest} of {repository} is over {limit} bytes")
+        raw = response.content
         if sha256_digest(raw) != digest:
             raise DigestMismatchError(f"manifest {digest} has digest {sha256_digest(raw)}")
         try:
@@ -327,10 +329,7 @@ class RegistryClient:
         """An image's config blob (small JSON: env, labels, layers' diff_ids), verified
         against ``digest``."""
         algorithm, _, expected = digest.partition(":")
-        response = self.request("GET", f"/v2/{repository}/blobs/{digest}")
-        body = response.content[:limit + 1]
-        if len(body) > limit:
-            raise RegistryError(f"config {digest} of {repository} is over {limit} bytes")
+        body = self.request("GET", f"/v2/{repository}/blobs/{digest}", limit=limit).content
         if algorithm != "sha256" or hashlib.sha256(body).hexdigest() != expected:
             raise DigestMismatchError(f"config {digest} of {repository} failed verification",
                                       method="GET", url=f"/v2/{repository}/blobs/{digest}")
@@ -338,6 +337,17 @@ class RegistryClient:
         if not isinstance(parsed, dict):
             raise RegistryError(f"config {digest} of {repository} is not a JSON object")
         return parsed
+
+    def blob_size(self, repository: str, digest: str) -> int | None:
+        """The size the registry itself gives for a blob (HEAD), or None when it has none."""
+        response = self.request("HEAD", f"/v2/{repository}/blobs/{digest}", ok={200, 404})
+        if response.status_code == 404:
+            return None
+        try:
+            return int(response.headers["Content-Length"])
+        except (KeyError, ValueError) as exc:
+            raise RegistryError(f"blob {digest[:19]} of {repository}: no size in the "
+                                "registry's answer") from exc
 
     def blob_exists(self, repository: str, digest: str) -> bool:
         response = self.request("HEAD", f"/v2/{repository}/blobs/{digest}", ok={200, 404})

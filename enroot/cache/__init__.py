@@ -6,5 +6,6 @@ Imports go down:
     uses        which job steps use which entry; pruning
     storage     its layout and names: every cache path is built here
     lock        one digest's lock (NFS-safe, never through a link)
+    rootpath    the cache paths root acts on: walked from /, no link, trusted parents
     trust       whose files a job may use (root, the service account, you)
 """

@@ -16,6 +16,8 @@ import stat
 from pathlib import Path
 
 from imgpipe.base.files import atomic_write
+from imgpipe.base.terminal import shown
+from imgpipe.enroot.cache.rootpath import walk_admin_path
 from imgpipe.enroot.cache.storage import (
     CACHEDIR_TAG,
     LAYOUT_VERSION,
@@ -41,8 +43,9 @@ def make_layout(storage: Storage, group: str | None = None) -> list[str]:
     gid = grp.getgrnam(group).gr_gid if group else pwd.getpwuid(owner).pw_gid
     mode = 0o3775 if group else 0o1777
     done: list[str] = []
-    if make_shared_dir(storage.root, mode) or storage.root.is_dir():
-        _adopt(storage, storage.root, owner, gid, mode, done)
+    if walk_admin_path(storage.root, storage.trust, create_mode=mode):
+        done.append(f"made {storage.root}")
+    _adopt(storage, storage.root, owner, gid, mode, done)
     for folder, folder_mode in storage.layout():
         if make_shared_dir(folder, folder_mode):
             done.append(f"made {folder}")
@@ -93,6 +96,10 @@ def audit(storage: Storage) -> list[str]:
     """What is unsafe in this cache, a line each (`imgpipe doctor`, `cache ls`): layout
     folders of the wrong owner or mode, links or other non-files at entry, blob and lock
     paths, shared names a job user wrote, own names of another owner."""
+    try:
+        storage.check_admin_path()
+    except ConvertError as exc:
+        return [str(exc)]
     if not storage.root.exists():
         return []
     problems = []
@@ -100,32 +107,53 @@ def audit(storage: Storage) -> list[str]:
     for folder in [storage.root, *(f for f, _ in storage.layout())]:
         if not folder.exists() and not folder.is_symlink():
             if shared:
-                problems.append(f"{folder} is missing: imgpipe node-config --make-cache "
-                                f"{storage.root}")
+                problems.append(f"{_named(folder)} is missing: imgpipe node-config "
+                                f"--make-cache {_named(storage.root)}")
             continue
         try:
             check_layout_folder(folder, storage.trust, shared)
         except ConvertError as exc:
-            problems.append(str(exc))
+            problems.append(shown(str(exc), 600))
     for path in sorted(storage.root.glob("*.sqsh")):
-        info = path.lstat()
-        uid = _own_name_uid(path.name)
-        if stat.S_ISLNK(info.st_mode) or not stat.S_ISREG(info.st_mode):
-            problems.append(f"{path}: not a regular file (ignored by every job)")
-        elif uid is not None and info.st_uid != uid:
-            problems.append(f"{path}: named for uid {uid} but owned by "
-                            f"{user_name(info.st_uid)} (planted)")
-        elif uid is None and shared and info.st_uid not in storage.trust.admins:
-            problems.append(f"{path}: a shared name written by {user_name(info.st_uid)}, "
-                            "a job user (ignored by every job)")
-        elif info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            problems.append(f"{path}: writable by other users (ignored by every job)")
+        why = _entry_problem(storage, path, shared)
+        if why:
+            problems.append(f"{_named(path)}: {why}")
     for folder in (storage.blobs, storage.locks, storage.uses):
         if folder.is_dir() and not folder.is_symlink():
             for path in sorted(folder.iterdir()):
-                if not stat.S_ISREG(path.lstat().st_mode):
-                    problems.append(f"{path}: not a regular file (never read)")
+                info = path.lstat()
+                if not stat.S_ISREG(info.st_mode):
+                    problems.append(f"{_named(path)}: not a regular file (never read)")
+                elif folder == storage.blobs and shared and not info.st_mode & stat.S_IROTH:
+                    problems.append(f"{_named(path)}: other users cannot read it (mode "
+                                    f"{stat.S_IMODE(info.st_mode):04o}, {user_name(info.st_uid)}"
+                                    "): every other user's conversion copies the blob")
     return problems
+
+
+def _named(path: Path) -> str:
+    """A path as a line may show it: another user chose the name (shown escapes it)."""
+    return shown(str(path), 400)
+
+
+def _entry_problem(storage: Storage, path: Path, shared: bool) -> str | None:
+    info = path.lstat()
+    uid = _own_name_uid(path.name)
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISREG(info.st_mode):
+        return "not a regular file (ignored by every job)"
+    if uid is not None and info.st_uid != uid:
+        return f"named for uid {uid} but owned by {user_name(info.st_uid)} (planted)"
+    if uid is None and shared and info.st_uid not in storage.trust.admins:
+        return f"a shared name written by {user_name(info.st_uid)}, a job user (ignored by " \
+            "every job)"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return "writable by other users (ignored by every job)"
+    if info.st_nlink > 1:
+        return f"{info.st_nlink} hard links to one file (ignored by every job)"
+    if shared and not info.st_mode & stat.S_IROTH:
+        return (f"other users cannot read it (mode {stat.S_IMODE(info.st_mode):04o}): "
+                "their jobs fail on it with \"Invalid image format\"")
+    return None
 
 
 def _own_name_uid(name: str) -> int | None:

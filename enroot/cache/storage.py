@@ -53,6 +53,7 @@ from imgpipe.base.files import (
 )
 from imgpipe.base.terminal import shown
 from imgpipe.enroot.cache.lock import digest_lock
+from imgpipe.enroot.cache.rootpath import walk_admin_path
 from imgpipe.enroot.cache.trust import (
     CacheTrust,
     check_entry,
@@ -88,6 +89,15 @@ class Storage:
         self.root = root
         self.trust = trust or CacheTrust.of()
         self.lock_timeout_s = lock_timeout_s
+        self._walked = False
+
+    def check_admin_path(self, create: bool = False) -> None:
+        """As root or the service account, refuse a cache path a job user could have
+        prepared (``enroot.cache.rootpath``); with ``create``, make a missing one (0755).
+        Nothing to check for a job user, who acts with its own rights only."""
+        if self.trust.is_admin and not self._walked:
+            walk_admin_path(self.root, self.trust, 0o755 if create else None)
+            self._walked = True
 
     @property
     def meta(self) -> Path:
@@ -151,6 +161,7 @@ class Storage:
         may); refuse a layout of another version, folders another user could swap entries in,
         and shared folders a job user owns."""
         try:
+            self.check_admin_path(create=True)
             if not self.root.exists():
                 self.root.mkdir(parents=True, exist_ok=True)
             shared = self.shared

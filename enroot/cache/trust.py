@@ -76,6 +76,8 @@ def why_untrusted(info: os.stat_result, trust: CacheTrust) -> str | None:
                 f"{trust.admin_names()}")
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return f"other users may write it (mode {stat.S_IMODE(info.st_mode):04o})"
+    if info.st_nlink != 1:  # another entry's file linked here (fs.protected_hardlinks=0)
+        return f"it has {info.st_nlink} hard links (an entry is written once, never linked)"
     return None
 
 

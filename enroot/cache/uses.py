@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from imgpipe.base.files import open_regular
+from imgpipe.base.units import human_bytes
 from imgpipe.enroot.cache.storage import Storage, digest_hex, make_shared_dir
-from imgpipe.enroot.cache.trust import check_layout_folder
+from imgpipe.enroot.cache.trust import ROOT_UID, check_layout_folder, user_name
 from imgpipe.enroot.errors import ConvertError
 
 SQSH_DIGEST = re.compile(r"\+sha256-(?P<hex>[0-9a-f]{64})\+")
@@ -37,6 +38,7 @@ class Entry:
     size: int
     last_use: float
     users: list[str] = field(default_factory=list)
+    owner: int = -1
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,16 @@ class Pruned:
     kept_in_use: list[Entry]
     freed: int
     total_after: int
+    not_yours: list[Entry] = field(default_factory=list)  # other users' files: left alone
+
+    def skipped_line(self) -> str | None:
+        """One line for what this user could not remove, or None."""
+        if not self.not_yours:
+            return None
+        owners = sorted({user_name(entry.owner) for entry in self.not_yours})
+        size = human_bytes(sum(entry.size for entry in self.not_yours))
+        return (f"left {len(self.not_yours)} entries ({size}) that other users own "
+                f"({', '.join(owners)}): prune them as their owner or as root")
 
 
 def _markers(storage: Storage, squashfs: Path) -> list[Path]:
@@ -88,6 +100,7 @@ def release_use(marker: Path) -> None:
 
 def entries(storage: Storage) -> list[Entry]:
     """Every squashfs file and blob of the cache, with size, last use and users."""
+    storage.check_admin_path()
     found = []
     for path in sorted(storage.root.glob("*.sqsh")):
         info = path.lstat()
@@ -99,14 +112,15 @@ def entries(storage: Storage) -> list[Entry]:
             with contextlib.suppress(FileNotFoundError):
                 last = max(last, marker.lstat().st_mtime)
                 users.append(marker.name[len(path.name) + 1:])  # host~uid~job~step
-        found.append(Entry("squashfs", path, info.st_size, last, users))
+        found.append(Entry("squashfs", path, info.st_size, last, users, info.st_uid))
     if storage.blobs.is_dir():
         for path in sorted(storage.blobs.iterdir()):
             if path.name.startswith("."):
                 continue
             info = path.lstat()
             if stat.S_ISREG(info.st_mode):
-                found.append(Entry("blob", path, info.st_size, info.st_mtime))
+                found.append(Entry("blob", path, info.st_size, info.st_mtime,
+                                   owner=info.st_uid))
     return found
 
 
@@ -142,7 +156,9 @@ def _locked_now(storage: Storage, squashfs: Path) -> Iterator[bool]:
 def prune(storage: Storage, max_size: int | None = None, unused_for_s: float | None = None,
           dry_run: bool = False) -> Pruned:
     """Remove entries until the cache holds at most ``max_size`` bytes, or every entry
-    unused for ``unused_for_s``; blobs before squashfs files, least recently used first."""
+    unused for ``unused_for_s``; blobs before squashfs files, least recently used first.
+    What this user may not remove (another user's file in a sticky folder) is left, listed
+    in ``not_yours``, never an error: a job's ``get`` prunes, and must not fail for it."""
     if max_size is None and unused_for_s is None:
         raise ConvertError("say how much to prune", hint="--max-size SIZE or --unused-for DAYS")
     listed = entries(storage)
@@ -151,6 +167,7 @@ def prune(storage: Storage, max_size: int | None = None, unused_for_s: float | N
     order = sorted(listed, key=lambda e: (e.kind != "blob", e.last_use))
     removed: list[Entry] = []
     kept: list[Entry] = []
+    not_yours: list[Entry] = []
     for entry in order:
         too_big = max_size is not None and total > max_size
         too_old = unused_for_s is not None and now - entry.last_use > unused_for_s
@@ -159,29 +176,45 @@ def prune(storage: Storage, max_size: int | None = None, unused_for_s: float | N
         if entry.users:
             kept.append(entry)
             continue
+        if not _may_remove(storage, entry):
+            not_yours.append(entry)
+            continue
         if entry.kind == "squashfs":
             with _locked_now(storage, entry.path) as free:
                 if not free or _markers(storage, entry.path):
                     kept.append(entry)
                     continue
-                if not _remove(entry, dry_run):
-                    continue
-        elif not _remove(entry, dry_run):
-            continue
-        removed.append(entry)
-        total -= entry.size
-    return Pruned(removed, kept, sum(e.size for e in removed), total)
+                gone = _remove(entry, dry_run)
+        else:
+            gone = _remove(entry, dry_run)
+        if gone is None:
+            not_yours.append(entry)
+        elif gone:
+            removed.append(entry)
+            total -= entry.size
+    return Pruned(removed, kept, sum(e.size for e in removed), total, not_yours)
 
 
-def _remove(entry: Entry, dry_run: bool) -> bool:
+def _may_remove(storage: Storage, entry: Entry) -> bool:
+    """Whether this user may remove ``entry``: its own file, or any as root or the owner of a
+    sticky folder (the service account owns the layout it made)."""
+    if storage.trust.me in (ROOT_UID, entry.owner):
+        return True
+    try:
+        folder = entry.path.parent.lstat()
+    except OSError:
+        return False
+    return folder.st_uid == storage.trust.me or not folder.st_mode & stat.S_ISVTX
+
+
+def _remove(entry: Entry, dry_run: bool) -> bool | None:
+    """True: removed (or would be); False: gone already; None: not this user's to remove."""
     if dry_run:
         return True
     try:
         entry.path.unlink()
     except FileNotFoundError:
         return False
-    except PermissionError as exc:
-        raise ConvertError(f"cannot remove {entry.path}: it belongs to uid "
-                           f"{entry.path.lstat().st_uid}",
-                           hint="prune as that user or as root") from exc
+    except PermissionError:
+        return None
     return True

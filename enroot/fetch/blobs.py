@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import stat
 import threading
 import time
@@ -21,6 +22,7 @@ from typing import Any
 
 from imgpipe.base.files import read_regular
 from imgpipe.enroot.cache.storage import Storage
+from imgpipe.enroot.cache.trust import user_name
 from imgpipe.enroot.errors import BlobDigestError, ConvertError
 from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.errors import DigestMismatchError, RegistryError
@@ -49,7 +51,8 @@ class FetchedImage:
 
 
 def fetch_blob_cached(client: RegistryClient, storage: Storage, repository: str, digest: str,
-                      on_bytes: Callable[[int], None] | None = None) -> tuple[Path, int]:
+                      on_bytes: Callable[[int], None] | None = None,
+                      say: Callable[[str], None] | None = None) -> tuple[Path, int]:
     """The cached path of ``digest``, fetching it if needed; returns (path, bytes fetched)."""
     path = storage.blob(digest)
     try:
@@ -57,10 +60,16 @@ def fetch_blob_cached(client: RegistryClient, storage: Storage, repository: str,
     except FileNotFoundError:
         pass
     else:
-        if stat.S_ISREG(info.st_mode):
+        readable = stat.S_ISREG(info.st_mode) and os.access(path, os.R_OK)
+        if readable:
             return path, 0  # whoever wrote it, its bytes are hashed wherever they are used
-        # A link, FIFO or folder planted at a blob's name: never read through.  Removed
-        # where this user may (its own cache); else its own copy goes to its private folder.
+        if stat.S_ISREG(info.st_mode) and say is not None:
+            say(f"cached blob {digest[:19]} belongs to {user_name(info.st_uid)} and this user "
+                f"cannot read it (mode {stat.S_IMODE(info.st_mode):04o}): using a copy of "
+                "its own")
+        # A link, FIFO, folder or unreadable file at a blob's name: never read through.
+        # Removed where this user may (its own cache); else its own copy goes to its
+        # private folder.
         try:
             path.rmdir() if stat.S_ISDIR(info.st_mode) else path.unlink()
         except OSError:
@@ -121,7 +130,8 @@ class ImageFetch:
 
     def __init__(self, client: RegistryClient, storage: Storage, repository: str, digest: str,
                  on_bytes: Callable[[int], None] | None = None,
-                 connections: int = MAX_CONNECTIONS, top_first: bool = False) -> None:
+                 connections: int = MAX_CONNECTIONS, top_first: bool = False,
+                 say: Callable[[str], None] | None = None) -> None:
         self.repository = repository
         self.manifest = client.manifest(repository, digest)
         self.config, self._config_bytes = read_config(client, storage, repository,
@@ -143,7 +153,7 @@ class ImageFetch:
         for index in (reversed(order) if top_first else order):
             self._results[index] = self._pool.submit(
                 fetch_blob_cached, client, storage, repository,
-                self._descriptors[index]["digest"], counted)
+                self._descriptors[index]["digest"], counted, say)
 
     @property
     def layer_sizes(self) -> list[int]:
@@ -193,7 +203,9 @@ class ImageFetch:
 
 def fetch_image(client: RegistryClient, storage: Storage, repository: str, digest: str,
                 on_bytes: Callable[[int], None] | None = None,
-                connections: int = MAX_CONNECTIONS) -> FetchedImage:
+                connections: int = MAX_CONNECTIONS,
+                say: Callable[[str], None] | None = None) -> FetchedImage:
     """Manifest, config and every layer of ``repository@digest``, all in the cache."""
-    with ImageFetch(client, storage, repository, digest, on_bytes, connections) as fetching:
+    with ImageFetch(client, storage, repository, digest, on_bytes, connections,
+                    say=say) as fetching:
         return fetching.wait()

@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from imgpipe.base.errors import ImgpipeError
+from imgpipe.base.terminal import shown
 from imgpipe.enroot.cache.storage import Storage, fetched_stem
 from imgpipe.enroot.errors import ConvertError
 from imgpipe.enroot.flatten.view import MergedView
 from imgpipe.enroot.published.artifact import PublishedSquashfs, fetch, find_published
 from imgpipe.enroot.published.pins import Pins
 from imgpipe.registry.client import RegistryClient
-from imgpipe.registry.errors import DigestMismatchError
 
 
 @dataclass(frozen=True)
@@ -54,22 +55,28 @@ class Fetched:
 
 
 def _choose(candidates: list[PublishedSquashfs], policy: PublishedPolicy, name: str,
-            say: Callable[[str], None]) -> PublishedSquashfs | None:
+            say: Callable[[str], None]) -> list[PublishedSquashfs]:
+    """The candidates to try, in turn: under pins, one per pinned blob (newest listed first),
+    each with no size but the registry's own (a pusher's second artifact naming the genuine
+    blob with another size must not make the fetch fail); else, where the site opted in,
+    the newest one."""
     if policy.pins:
+        chosen: dict[str, PublishedSquashfs] = {}
         for candidate in reversed(candidates):
-            if candidate.blob in policy.pins:
-                return candidate
-        say(f"refused published squashfs {', '.join(c.blob for c in candidates)} of {name}: "
-            f"pinned to {', '.join(sorted(policy.pins))}; converting")
-        return None
+            if candidate.blob in policy.pins and candidate.blob not in chosen:
+                chosen[candidate.blob] = replace(candidate, size=0)
+        if not chosen:
+            say(f"refused published squashfs {', '.join(c.blob for c in candidates)} of "
+                f"{name}: pinned to {', '.join(sorted(policy.pins))}; converting")
+        return list(chosen.values())
     if policy.unpinned:
-        chosen = candidates[-1]
-        say(f"published squashfs {chosen.blob} of {name} is not pinned; using it as "
+        newest = candidates[-1]
+        say(f"published squashfs {newest.blob} of {name} is not pinned; using it as "
             "enroot.published_unpinned allows, after checking it against the layers")
-        return chosen
+        return [newest]
     say(f"published squashfs {candidates[-1].blob[:19]} of {name} is not pinned: converting "
         "(pin it with `imgpipe verify`, or set enroot.published_unpinned)")
-    return None
+    return []
 
 
 def fetch_trusted(client: RegistryClient, storage: Storage, repository: str, digest: str,
@@ -78,26 +85,45 @@ def fetch_trusted(client: RegistryClient, storage: Storage, repository: str, dig
                  count: Callable[[int | None], Callable[[int], None]]) -> Fetched | None:
     """Fetch the published squashfs of ``repository@digest`` into the cache, under its own
     digest's name, when the policy trusts one (call with the digest's lock held); None:
-    convert."""
+    convert.  Whatever goes wrong with a candidate (its size, its digest, the transfer, the
+    disk, what it holds) refuses that one in one line; nothing here fails the caller."""
     name = f"{repository}@{digest[:19]}"
     candidates = find_published(client, repository, digest, compression, say)
     if not candidates:
         say(f"no published squashfs of {name} ({compression}): converting")
         return None
     chosen = _choose(candidates, policy, name, say)
-    if chosen is None:
-        return None
-    existing = storage.find_squashfs(repository, digest, compression,
-                                     frozenset({chosen.blob}), say)
-    if existing is not None and existing.name.startswith(fetched_stem(repository, chosen.blob)):
-        return Fetched(chosen, existing, 0, chosen.entries, cached=True)
-    allowed = None if chosen.blob in policy.pins else layers_view().setid_paths()
-    say(f"fetch published squashfs {chosen.blob[:19]} ({chosen.size / 1e6:.1f} MB)")
-    final = storage.fetched(repository, chosen.blob)
-    try:
-        received, entries = fetch(client, storage, chosen, final, allowed, count(chosen.size))
-    except (DigestMismatchError, ConvertError) as exc:
-        say(f"refused published squashfs {chosen.blob[:19]}: {exc}; converting")
-        return None
-    say(f"fetched published squashfs {chosen.blob} of {name}")
-    return Fetched(chosen, final, received, entries)
+    for turn, candidate in enumerate(chosen, 1):
+        existing = storage.find_squashfs(repository, digest, compression,
+                                         frozenset({candidate.blob}), say)
+        if existing is not None and existing.name.startswith(
+                fetched_stem(repository, candidate.blob)):
+            return Fetched(candidate, existing, 0, candidate.entries, cached=True)
+        then = "trying the next" if turn < len(chosen) else "converting"
+        try:
+            fetched = _fetch_one(client, storage, candidate, policy, layers_view, say, count)
+        except (ImgpipeError, OSError) as exc:
+            why = exc.message if isinstance(exc, ImgpipeError) else str(exc)
+            say(f"refused published squashfs {candidate.blob[:19]}: {shown(why, 300)}; {then}")
+            continue
+        say(f"fetched published squashfs {candidate.blob} of {name}")
+        return fetched
+    return None
+
+
+def _fetch_one(client: RegistryClient, storage: Storage, candidate: PublishedSquashfs,
+               policy: PublishedPolicy, layers_view: Callable[[], MergedView],
+               say: Callable[[str], None],
+               count: Callable[[int | None], Callable[[int], None]]) -> Fetched:
+    pinned = candidate.blob in policy.pins
+    if pinned:  # the size that counts is the registry's own for the pinned blob
+        size = client.blob_size(candidate.repository, candidate.blob)
+        if size is None:
+            raise ConvertError("the registry does not hold that blob")
+        candidate = replace(candidate, size=size)
+    allowed = None if pinned else layers_view().setid_paths()
+    say(f"fetch published squashfs {candidate.blob[:19]} ({candidate.size / 1e6:.1f} MB)")
+    final = storage.fetched(candidate.repository, candidate.blob)
+    received, entries = fetch(client, storage, candidate, final, allowed,
+                              count(candidate.size))
+    return Fetched(candidate, final, received, entries)

@@ -90,8 +90,11 @@ def _tar2sqfs_argv(options: SquashOptions, output: Path) -> list[str]:
 
 
 def _mksquashfs_argv(options: SquashOptions, tree: Path, output: Path) -> list[str]:
+    # mksquashfs stamps the run's time into the superblock and the root folder: fixed here,
+    # so that a digest converts to the same bytes in every compression (publish, verify).
     argv = [require("mksquashfs"), str(tree), str(output), "-all-root", "-noappend",
-            "-no-progress", "-quiet", "-processors", str(options.jobs), "-exit-on-error"]
+            "-no-progress", "-quiet", "-processors", str(options.jobs), "-exit-on-error",
+            "-mkfs-time", "0", "-root-time", "0"]
     if options.compression == "lzo-enroot":
         return argv + ENROOT_OPTIONS
     if options.compression == "lz4":
