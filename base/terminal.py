@@ -19,9 +19,10 @@ _GUARD = str.maketrans(_CONTROLS)
 
 def shown(text: str, limit: int = 160) -> str:
     """Text another user wrote, safe for a terminal: anything but printable ASCII escaped
-    (no control sequence reaches the screen), cut at ``limit`` characters."""
-    out = "".join(c if " " <= c <= "~" else c.encode("unicode_escape").decode("ascii")
-                  for c in text[:limit])
+    (no control sequence reaches the screen), a backslash doubled (so an escape cannot be
+    forged by typing one), cut at ``limit`` characters."""
+    out = "".join(c if " " <= c <= "~" and c != "\\" else
+                  c.encode("unicode_escape").decode("ascii") for c in text[:limit])
     return out + ("..." if len(text) > limit else "")
 
 

@@ -4,6 +4,7 @@ keeping it bounded."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from imgpipe.base.config import Settings
 from imgpipe.base.errors import ImgpipeError
@@ -28,12 +29,14 @@ def prune_cache(settings: Settings, max_size: int | None, unused_for_s: float | 
     return prune(storage(settings), max_size, unused_for_s, dry_run)
 
 
-def prune_after_conversion(cache: Storage, max_size: str, say: Callable[[str], None]) -> None:
+def prune_after_conversion(cache: Storage, max_size: str, made: Path,
+                           say: Callable[[str], None]) -> None:
     """Keep the cache under ``enroot.cache_max_size`` after a conversion (the importer's
-    ``get``, the cache writer): what this user may not remove is left with one line, and
-    nothing here ever fails the conversion that just succeeded."""
+    ``get``, the cache writer), never removing ``made``, the entry it made: what this user
+    may not remove is left with one line, and nothing here ever fails the conversion that
+    just succeeded."""
     try:
-        pruned = prune(cache, max_size=parse_size(max_size))
+        pruned = prune(cache, max_size=parse_size(max_size), keep=frozenset({made}))
     except (ImgpipeError, OSError) as exc:
         say(f"pruning the cache to {max_size} did not finish: {shown(str(exc))}")
         return

@@ -76,7 +76,7 @@ def write_shared(settings: Settings, argument: str,
                    published=PublishedPolicy(enroot.published, frozenset(),
                                              enroot.published_unpinned))
     if done.converted and enroot.cache_max_size:  # the shared entries are the writer's
-        prune_after_conversion(cache, enroot.cache_max_size, say)
+        prune_after_conversion(cache, enroot.cache_max_size, done.path, say)
     return Written(done.path, done.converted, time.monotonic() - started)
 
 

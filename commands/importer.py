@@ -268,7 +268,8 @@ def get(uri: str) -> Path:
     if conversion.converted and enroot.cache_max_size:
         from imgpipe.commands.cache import prune_after_conversion
 
-        prune_after_conversion(storage(settings), enroot.cache_max_size, _say)
+        prune_after_conversion(storage(settings), enroot.cache_max_size, conversion.path,
+                               _say)
     return conversion.path
 
 

@@ -23,7 +23,7 @@ def read_capped(response: requests.Response, limit: int = DOCUMENT_LIMIT,
                 what: str | None = None) -> bytes:
     """The body of a streamed ``response``, at most ``limit`` bytes (RegistryError when
     longer); afterwards ``response.content`` and ``response.json()`` read those bytes."""
-    if getattr(response, "_content_consumed", False):  # already read: not streamed
+    if getattr(response, "_content_consumed", False) or response.raw is None:  # in memory
         raw = response.content
     else:
         try:

@@ -154,11 +154,12 @@ def _locked_now(storage: Storage, squashfs: Path) -> Iterator[bool]:
 
 
 def prune(storage: Storage, max_size: int | None = None, unused_for_s: float | None = None,
-          dry_run: bool = False) -> Pruned:
+          dry_run: bool = False, keep: frozenset[Path] = frozenset()) -> Pruned:
     """Remove entries until the cache holds at most ``max_size`` bytes, or every entry
     unused for ``unused_for_s``; blobs before squashfs files, least recently used first.
     What this user may not remove (another user's file in a sticky folder) is left, listed
-    in ``not_yours``, never an error: a job's ``get`` prunes, and must not fail for it."""
+    in ``not_yours``, never an error: a job's ``get`` prunes, and must not fail for it.
+    ``keep``: entries never removed (the one a conversion just made, not yet marked used)."""
     if max_size is None and unused_for_s is None:
         raise ConvertError("say how much to prune", hint="--max-size SIZE or --unused-for DAYS")
     listed = entries(storage)
@@ -173,7 +174,7 @@ def prune(storage: Storage, max_size: int | None = None, unused_for_s: float | N
         too_old = unused_for_s is not None and now - entry.last_use > unused_for_s
         if not (too_big or too_old):
             continue
-        if entry.users:
+        if entry.users or entry.path in keep:
             kept.append(entry)
             continue
         if not _may_remove(storage, entry):

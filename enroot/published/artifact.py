@@ -146,7 +146,7 @@ def find_published(client: RegistryClient, repository: str, subject: str,
 
 def _skipped(say: Callable[[str], None] | None, what: str) -> None:
     if say is not None:
-        say(f"skipped {shown(what)}")
+        say(f"skipped {shown(what, 400)}")
 
 
 def publish(client: RegistryClient, repository: str, subject: Manifest, squashfs: Path,
@@ -209,12 +209,12 @@ def check_contents(path: Path, allowed_setuid: set[str] | None) -> int:
     for entry in listed:
         kind, name, mode = entry.kind, entry.path, entry.mode
         if kind not in ("dir", "file", "slink", "pipe"):
-            raise ConvertError(f"the published squashfs holds {kind} /{name}, which no "
-                               "conversion makes: refused")
+            raise ConvertError(f"the published squashfs holds {kind} /{shown(name, 300)}, "
+                               "which no conversion makes: refused")
         if (allowed_setuid is not None and kind == "file" and is_setid(mode)
                 and name not in allowed_setuid):
-            raise ConvertError(f"the published squashfs has a set-id file /{name} "
-                               f"(mode {mode:o}) that the image's layers do not have: refused")
+            raise ConvertError(f"the published squashfs has a set-id file /{shown(name, 300)}"
+                               f" (mode {mode:o}) that the image's layers do not have: refused")
     return len(listed)
 
 

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from imgpipe.base.errors import ImgpipeError
-from imgpipe.base.terminal import shown
 from imgpipe.enroot.cache.storage import Storage, fetched_stem
 from imgpipe.enroot.errors import ConvertError
 from imgpipe.enroot.flatten.view import MergedView
@@ -103,8 +102,9 @@ def fetch_trusted(client: RegistryClient, storage: Storage, repository: str, dig
         try:
             fetched = _fetch_one(client, storage, candidate, policy, layers_view, say, count)
         except (ImgpipeError, OSError) as exc:
+            # The names in it were escaped where they entered (shown), once.
             why = exc.message if isinstance(exc, ImgpipeError) else str(exc)
-            say(f"refused published squashfs {candidate.blob[:19]}: {shown(why, 300)}; {then}")
+            say(f"refused published squashfs {candidate.blob[:19]}: {why}; {then}")
             continue
         say(f"fetched published squashfs {candidate.blob} of {name}")
         return fetched

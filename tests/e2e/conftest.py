@@ -17,6 +17,7 @@ import yaml
 from imgpipe.cli.main import main
 from tests import services
 from tests.conftest import CliRun
+from tests.tenants import shared_writer, site  # noqa: F401 (fixtures of test_tenants*.py)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -174,6 +174,32 @@ def test_a_second_clone_verifies_then_fetches(origin: Path, published: dict, tmp
     assert f"hello/cpu: squashfs {published['pin']} (zstd) published already" in out
 
 
+def test_lz4_conversions_are_reproducible_and_verify(origin: Path, published: dict,
+                                                    registry_server, tmp_path: Path,
+                                                    capsys) -> None:
+    """mksquashfs's files (lz4 here; lzo-enroot and none likewise) carry no run's time: two
+    empty caches convert one digest to equal bytes, and a published lz4 file verifies."""
+    _git("clone", "-q", str(origin), str(tmp_path / "c"), cwd=origin.parent)
+    clone = CliRun(tmp_path / "c", capsys)
+    made = []
+    for cache in ("first", "second"):
+        clone.write_config({"registry": {"port": registry_server.port}, "default_flavor": "cpu",
+                            "outputs": {"squashfs_dir": str(tmp_path / cache)},
+                            "enroot": {"publish_compressions": ["lz4"]}})
+        code, out, err = clone("convert", "hello", "--no-published", "--compression", "lz4",
+                               "--json")
+        assert code == 0, out + err
+        made.append(_sha256(Path(json.loads(out)["data"]["squashfs"])))
+    assert made[0] == made[1]
+    code, out, err = clone("push", "hello", "--squashfs")
+    assert code == 0 and f"hello/cpu: squashfs {made[0]} (lz4)" in out, out + err
+    _git("clone", "-q", str(origin), str(tmp_path / "d"), cwd=origin.parent)
+    checker = CliRun(tmp_path / "d", capsys)
+    code, out, err = checker("verify", "hello", "--compression", "lz4")
+    assert code == 0, out + err
+    assert f"published squashfs {made[0]} (lz4) equals a local conversion" in out
+
+
 def test_a_broken_fetch_resumes_and_a_wrong_start_is_thrown_away(registry_server,
                                                                   published: dict,
                                                                   tmp_path: Path) -> None:
@@ -224,7 +250,7 @@ def test_a_replaced_artifact_is_refused(cluster, registry_server, published: dic
     publish(client, "published/hello", client.manifest("published/hello", digest), planted,
             planted_digest, "zstd", 1)
     client.delete_manifest("published/hello", genuine.artifact)
-    assert [p.blob for p in find_published(client, "published/hello", digest)] == [
+    assert [p.blob for p in find_published(client, "published/hello", digest, "zstd")] == [
         planted_digest]
 
     _, config = node_cache("imgpipe-tampered-")

@@ -106,6 +106,7 @@ def test_a_job_user_cannot_make_or_adopt_the_shared_layout(tmp_path: Path) -> No
 def test_text_other_users_wrote_reaches_a_terminal_escaped() -> None:
     assert shown("host:1 \x1b]0;pwned\x07\n") == "host:1 \\x1b]0;pwned\\x07\\n"
     assert shown("é") == "\\xe9" and shown("x" * 200).endswith("...")
+    assert shown("a\\\\b") == "a\\\\\\\\b"  # a typed backslash cannot pass for an escape
 
 
 def test_doctor_names_what_was_planted_in_the_cache(tmp_path: Path) -> None:
