@@ -215,6 +215,11 @@ def test_phase2_starts_from_hugging_face_or_nvidia_weights_and_records_its_image
     meta = json.loads((tmp_path / "hf" / "imgpipe_export.json").read_text())
     assert (meta["phase"], meta["step"], meta["image_digest"]) == (
         1, 20, image["IMGPIPE_IMAGE_DIGEST"]) and meta["loss"] > 0
+    # the model card's training table is the run's own record of itself
+    card = (tmp_path / "hf" / "README.md").read_text()
+    assert (f"| 1 | `{shards}` (4 shards) | {SEQ} | {PRED} | 32 | 20 | {meta['loss']} "
+            f"| {image['IMGPIPE_IMAGE_DIGEST']} |") in card.splitlines()
+    assert meta["loss"] == records(first.stdout)[-1]["loss"]
     reference = pretrain(shards, tiny_config, tmp_path / "from-ckpt", "--max_steps=2",
                          "--log_freq=1", "--phase2", f"--init_checkpoint={out}")
     for source, layout in ((tmp_path / "hf", "hf"), (tmp_path / "nv" / "bert_nvidia.pt",
