@@ -219,3 +219,27 @@ def test_a_folder_with_nothing_to_start_from_lists_what_it_looks_for(tmp_path: P
         "no ckpt_<step>.pt there or in its phase1/ folder (run phase 1 first), nor a model "
         "file (model.safetensors, model.safetensors.index.json, pytorch_model.bin, "
         "pytorch_model.bin.index.json, bert_nvidia.pt)")
+
+
+def test_the_trainer_page_shows_what_the_code_reads_and_says(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/trainer.md: the files and activation names it lists are the ones read, and its
+    example lines are what the trainer prints for those checkpoints."""
+    from bert_trainer.config import ACTIVATIONS
+    from bert_trainer.pretrain import parse_args
+    from bert_trainer.sources import MODEL_FILES
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "trainer.md").read_text()
+    assert all(f"`{name}`" in page for name in (*MODEL_FILES, *ACTIVATIONS))
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    assert "--trust_checkpoint" in capsys.readouterr().out and "--trust_checkpoint" in page
+    monkeypatch.chdir(tmp_path)
+    made("BertForMaskedLM").save_pretrained("mlm")
+    made(num_hidden_layers=4).save_pretrained("deep")
+    warning = load_initial(Path("mlm"), CONFIG).fresh_line()
+    assert json.dumps({"event": "warning", "message": warning}) in page.splitlines()
+    with pytest.raises(CheckpointError) as refused:
+        load_initial(Path("deep"), CONFIG, "--config_file run.json")
+    assert f"error: {refused.value}" in page.splitlines()
