@@ -358,6 +358,8 @@ def test_bad_input_is_one_clear_line(shards, tiny_config, tmp_path) -> None:
     assert "outside the model's vocabulary of 16" in fails(f"--config_file={small}")
     assert fails(f"--output_dir={small}/checkpoints") == (
         f"error: Not a directory: {small}/checkpoints/phase1")
+    assert fails(f"--init_checkpoint={tmp_path / 'bert-base-uncasd'}") == (
+        f"error: --init_checkpoint {tmp_path / 'bert-base-uncasd'}: no such file or folder")
     assert fails("--max_seq_length=256") == (
         f"error: --max_seq_length 256 is longer than the model's 128 positions "
         f"(max_position_embeddings of --config_file {tiny_config})")

@@ -42,12 +42,6 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # imported when needed: --help and flag errors stay fast
-    import torch
-
-    from bert_trainer.config import BertConfig
 
 EXIT_STOPPED = 3
 
@@ -202,6 +196,7 @@ def _train(args: argparse.Namespace, where) -> int:  # noqa: ANN001 - Placement
     from bert_trainer.lineage import phase_record
     from bert_trainer.metrics import JsonLog, Throughput, peak_tflops
     from bert_trainer.model import BertForPreTraining, count_parameters
+    from bert_trainer.start import config_name, starting_point
     from bert_trainer.trainer import Trainer, default_precision
 
     stop = StopRequest()
@@ -229,7 +224,7 @@ def _train(args: argparse.Namespace, where) -> int:  # noqa: ANN001 - Placement
     if args.max_seq_length > config.max_position_embeddings:
         raise ConfigError(f"--max_seq_length {args.max_seq_length} is longer than the model's "
                           f"{config.max_position_embeddings} positions "
-                          f"(max_position_embeddings of {_config_name(args)})")
+                          f"(max_position_embeddings of {config_name(args.config_file)})")
 
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = BertForPreTraining(config)
@@ -237,14 +232,15 @@ def _train(args: argparse.Namespace, where) -> int:  # noqa: ANN001 - Placement
     resume = checkpoint.latest(ckpt_dir) if args.resume_from_checkpoint else None
     saved = checkpoint.load(resume) if resume is not None else None
     # a checkpoint this run cannot start from stops it here: nothing trained, nothing written
-    initialized_from, history, notes = _starting_point(args, config, phase, model, saved,
-                                                       resume)
+    begun = starting_point(args.init_checkpoint, args.trust_checkpoint, config,
+                           config_name(args.config_file), phase, model, saved, resume)
+    initialized_from = begun.init_checkpoint
     if rank == 0:  # an unwritable --output_dir fails now, not at the first checkpoint
         ckpt_dir.mkdir(parents=True, exist_ok=True)
     # what the job ran in: run.sub exports the image it pinned (imgpipe's recipes)
     image = os.environ.get("IMGPIPE_IMAGE") or None
     image_digest = os.environ.get("IMGPIPE_IMAGE_DIGEST") or None
-    for event, message in notes:
+    for event, message in begun.lines:
         log.write({"event": event, "message": message})
     this_phase = phase_record(phase, args.input_dir, len(files), args.max_seq_length,
                               args.max_predictions_per_seq, args.train_batch_size * world,
@@ -298,8 +294,8 @@ def _train(args: argparse.Namespace, where) -> int:  # noqa: ANN001 - Placement
                        "world_size": world, "data": positions, "rng": rngs,
                        "config": asdict(config), "loss": last_loss, "image": image,
                        "image_digest": image_digest, "init_checkpoint": initialized_from,
-                       "lineage": [*history, {**this_phase, "step": trainer.step_count,
-                                              "loss": last_loss}],
+                       "lineage": [*begun.history, {**this_phase, "step": trainer.step_count,
+                                                     "loss": last_loss}],
                        **trainer.state_dict()}
             written = checkpoint.save(ckpt_dir, trainer.step_count, payload,
                                       args.keep_checkpoints)
@@ -372,47 +368,6 @@ def _train(args: argparse.Namespace, where) -> int:  # noqa: ANN001 - Placement
                    "checkpoint": str(saved_at) if saved_at else None, **throughput.summary()})
     log.close()
     return exit_code
-
-
-def _config_name(args: argparse.Namespace) -> str:
-    """The run's config, as messages name it."""
-    if args.config_file is None:
-        return "the default config (BERT-Large: no --config_file)"
-    return f"--config_file {args.config_file}"
-
-
-def _starting_point(args: argparse.Namespace, config: BertConfig, phase: int,
-                    model: torch.nn.Module, saved: dict | None, resume: Path | None
-                    ) -> tuple[str | None, list[dict], list[tuple[str, str]]]:
-    """Load ``--init_checkpoint`` into ``model`` unless the run resumes: (what it started
-    from, the lineage before this phase, (event, message) lines to log)."""
-    from bert_trainer import checkpoint
-    from bert_trainer.lineage import earlier
-    from bert_trainer.weights import load_initial, load_into
-
-    if saved is not None:  # a requeued or continued run: the checkpoint has it all
-        started = saved.get("init_checkpoint")
-        notes = []
-        if args.init_checkpoint is not None:
-            notes.append(("warning", f"--init_checkpoint {args.init_checkpoint} not read: "
-                          f"resuming from {resume}, which started from "
-                          f"{started or 'fresh weights'}"))
-        return started, list(saved.get("lineage", []))[:-1], notes
-    if args.init_checkpoint is None:
-        if phase == 2:
-            raise checkpoint.CheckpointError(
-                "phase 2 starts from a phase 1 checkpoint: pass --init_checkpoint")
-        return None, [], []
-    initial = load_initial(args.init_checkpoint, config, _config_name(args),
-                           trust=args.trust_checkpoint)
-    load_into(model, initial)
-    own = initial.source.payload if initial.source.is_trainer_checkpoint else None
-    file = initial.source.files[0]
-    started = str(file) if own is not None else initial.describe()
-    history = earlier(own, None if own is not None else started, initial.layout, initial.kind)
-    warnings = [line for line in (initial.unchecked, initial.fresh_line()) if line]
-    return started, history, ([("note", f"{started}: {note}") for note in initial.notes]
-                              + [("warning", line) for line in warnings])
 
 
 def _write_stop_record(path: Path, step: int, checkpoint_path: Path | None) -> None:

@@ -122,9 +122,6 @@ def load_initial(path: Path, config: BertConfig, run: str = "the run's config",
     """The checkpoint at ``path``, read (``sources.read``) and checked (``from_source``)."""
     what = what or f"--init_checkpoint {path}"
     if not path.exists():
-        if phases == (1,):  # phase 2's usual mistake: phase 1 has not run (yet)
-            raise CheckpointError(f"{what}: no ckpt_<step>.pt there or in its phase1/ folder "
-                                  "(run phase 1 first)")
         raise CheckpointError(f"{what}: no such file or folder")
     return from_source(sources.read(path, what, trust, phases), config, run, what)
 
