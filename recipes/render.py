@@ -28,6 +28,22 @@ from imgpipe.recipes.scaling import PHASES, Shape, shape_for
 from imgpipe.registry.errors import ReferenceFormatError
 from imgpipe.registry.reference import Reference
 
+# Each job writes the image it runs in where the report reads it: one JSON object in
+# RESULTSDIR/<job name>-<job id>/ran_in.json (imgpipe.recipes.report), written whole.
+RECORD_IMAGE = r"""# The image this job runs in, where the report reads it: FOLDER/ran_in.json.
+json_string() {
+  local s=${1//\\/\\\\}
+  s=${s//\"/\\\"}
+  printf '"%s"' "$s"
+}
+record_image() {
+  local folder=$1
+  mkdir -p "$folder"
+  printf '{"job": %s, "id": %s, "image": %s, "image_digest": %s}\n' \
+    "$(json_string "${SLURM_JOB_NAME:-}")" "$(json_string "${SLURM_JOB_ID:-}")" \
+    "$(json_string "$CONT")" "$(json_string "$image_digest")" >"$folder/.ran_in.json.$$"
+  mv -f "$folder/.ran_in.json.$$" "$folder/ran_in.json"
+}"""
 SBATCH_SAFE = re.compile(r"^[A-Za-z0-9_.:@+=,/-]{1,128}$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 SIGNAL_LEAD_S = 300
@@ -126,6 +142,11 @@ def cont_choice(image: str, digest: str, platform_images: dict[str, str],
     lines += [f'  *) echo "{script}: no image for platform $node_platform (this bundle has '
               f'{offered})" >&2; exit 2 ;;', "esac"]
     return "\n".join(lines)
+
+
+def _reference_digest(pinned: str) -> str:
+    """The digest a pinned reference names (``…@sha256:…``); a squashfs path names none."""
+    return "sha256:" + pinned.rsplit("@sha256:", 1)[1] if "@sha256:" in pinned else ""
 
 
 def _digest(value: str) -> str:
@@ -236,10 +257,14 @@ def render_bundle(inputs: RecipeInputs, folder: Path, phases: tuple[int, ...] = 
     templates = _jinja()
     written = []
     for name in ("run.sub", "dataset.sub", "nccl.sub"):
-        chosen = (cont_choice(image, inputs.image_digest, platform_images,
-                              inputs.platform_digests, name) if name != "nccl.sub" else "")
+        if name != "nccl.sub" or not inputs.nccl_image:  # the bert image
+            chosen = cont_choice(image, inputs.image_digest, platform_images,
+                                 inputs.platform_digests, name)
+        else:  # the nccl-tests image: its digest is in its reference when it is one
+            chosen = cont_choice(nccl_image, _reference_digest(nccl_image), {}, {}, name)
         text = templates.get_template(f"{name}.j2").render(**context, shape=shapes[0],
-                                                           cont_choice=chosen)
+                                                           cont_choice=chosen,
+                                                           record_image=RECORD_IMAGE)
         written.append(atomic_write(folder / name, text, mode=0o755))
     for shape in shapes:
         text = templates.get_template("config.sh.j2").render(**context, shape=shape)

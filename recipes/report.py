@@ -1,11 +1,13 @@
 """What a BERT workflow's results folder says, as plots and one self-contained HTML page.
 
 Reads what the rendered recipes leave in RESULTSDIR: the trainer's JSON log of every job
-(``<job>-<id>/bert_phase{1,2}.jsonl``), the NCCL check's logs (``nccl-<id>.log``), and, when a
-driver such as ``./setup.sh demo`` wrote one, ``workflow.json`` (the jobs' states and times,
-the pinned image digests and squashfs).  Writes ``RESULTSDIR/report/``: ``loss.png``,
-``mlm_accuracy.png``, ``throughput.png``, ``nccl_busbw.png`` and ``index.html`` with the
-plots inlined (one file to mail or open anywhere).
+(``<job>-<id>/bert_phase{1,2}.jsonl``), the image every job ran in (``<job>-<id>/ran_in.json``,
+which run.sub, dataset.sub and nccl.sub write; the trainer's log says it too), the NCCL
+check's logs (``nccl-<id>.log``), and, when a driver such as ``./setup.sh demo`` wrote one,
+``workflow.json`` (the jobs' states and times, the pinned image digests and squashfs).
+Writes ``RESULTSDIR/report/``: ``loss.png``, ``mlm_accuracy.png``, ``throughput.png``,
+``nccl_busbw.png`` and ``index.html`` with the plots inlined (one file to mail or open
+anywhere), laid out to fit a 1280-pixel-wide window.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class ReportError(RecipeError):
 
 FILL_MASK_FILE = "fill_mask.json"
 EXPORT_METADATA = "imgpipe_export.json"
+RAN_IN_FILE = "ran_in.json"  # recipes/render.py RECORD_IMAGE writes it
 
 
 @dataclass
@@ -41,8 +44,9 @@ class Results:
     steps: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # phase -> events
     nccl: list[tuple[Path, Run]] = field(default_factory=list)
     workflow: dict[str, Any] = field(default_factory=dict)
-    # job folder (<name>-<id>) -> the image its trainer logged it ran in
+    # job folder (<name>-<id>) -> the image it ran in (its ran_in.json, or its trainer's log)
     ran_in: dict[str, str] = field(default_factory=dict)
+    trained: set[str] = field(default_factory=set)  # job folders holding a trainer's log
     exports: list[tuple[Path, dict[str, Any]]] = field(default_factory=list)
     fill_mask: list[dict[str, Any]] = field(default_factory=list)
 
@@ -52,6 +56,12 @@ def read_results(folder: Path) -> Results:
         raise ReportError(f"results folder {folder} does not exist",
                           hint="give the RESULTSDIR the recipes wrote to")
     found = Results()
+    for path in sorted(folder.glob(f"*/{RAN_IN_FILE}")):
+        with contextlib.suppress(ValueError, OSError, AttributeError):
+            record = json.loads(path.read_text())
+            image = record.get("image_digest") or record.get("image")
+            if image:
+                found.ran_in[path.parent.name] = str(image)
     for phase in (1, 2):
         by_step: dict[int, dict[str, Any]] = {}
         for path in sorted(folder.glob(f"*/bert_phase{phase}.jsonl")):
@@ -63,8 +73,11 @@ def read_results(folder: Path) -> Results:
                 if isinstance(event, dict) and event.get("event") == "step":
                     by_step[int(event["step"])] = event  # a requeued job repeats steps
                 elif isinstance(event, dict) and event.get("event") == "start":
+                    found.trained.add(path.parent.name)
                     found.ran_in[path.parent.name] = str(event.get("image_digest")
-                                                         or event.get("image") or "not recorded")
+                                                         or event.get("image")
+                                                         or found.ran_in.get(path.parent.name)
+                                                         or "not recorded")
         if by_step:
             found.steps[phase] = [by_step[s] for s in sorted(by_step)]
     for path in sorted(folder.glob("nccl-*.log")):
@@ -148,23 +161,29 @@ class Link:
 
 
 def _cell(value: Any) -> str:
+    """A table cell; one holding a word too long for a column (a digest, a path) may break
+    anywhere, so the table keeps within the page instead of running off its edge."""
+    text = value.text if isinstance(value, Link) else str(value)
+    opening = "<td class='long'>" if any(len(word) > LONG_WORD for word in text.split()) \
+        else "<td>"
     if isinstance(value, Link):
-        return (f'<a href="{html.escape(value.href, quote=True)}">'
-                f"{html.escape(value.text)}</a>")
-    return html.escape(str(value))
+        return (f'{opening}<a href="{html.escape(value.href, quote=True)}">'
+                f"{html.escape(value.text)}</a></td>")
+    return f"{opening}{html.escape(text)}</td>"
 
 
 def _table(headers: list[str], rows: list[list[Any]], css: str) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f"<td>{_cell(c)}</td>" for c in row) + "</tr>"
-                   for row in rows)
+    body = "".join("<tr>" + "".join(_cell(c) for c in row) + "</tr>" for row in rows)
     return f'<table class="{css}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
 
-STYLE = """body{font-family:sans-serif;margin:2em;max-width:60em}
-table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #bbb;padding:.3em .6em;
-text-align:left}th{background:#eee}img{max-width:100%}.pass{color:#070}.fail{color:#b00}
-.pins td{word-break:break-all}"""
+LONG_WORD = 24  # characters; digests are 71, squashfs paths longer
+# 74em: a 1280-pixel window less the margins, at the default 16-pixel font.
+STYLE = """body{font-family:sans-serif;margin:2em;max-width:74em;overflow-wrap:break-word}
+table{border-collapse:collapse;margin:1em 0;max-width:100%}td,th{border:1px solid #bbb;
+padding:.3em .6em;text-align:left;vertical-align:top}td.long{overflow-wrap:anywhere}
+th{background:#eee}img{max-width:100%}.pass{color:#070}.fail{color:#b00}"""
 
 # Marks the page once every plot has decoded (what a headless browser check reads).
 LOADED = """<script>window.addEventListener('load',function(){var i=document.images,n=0;
@@ -190,7 +209,31 @@ def summary_of(results: Results, expected_busbw: float) -> dict[str, Any]:
         summary["exports"] = [str(path) for path, _ in results.exports]
     if results.ran_in:
         summary["ran_in"] = dict(sorted(results.ran_in.items()))
+    if results.fill_mask:
+        got = [guessed(item) for item in results.fill_mask]
+        summary["fill_mask"] = {"sentences": len(got), "first": got.count(1),
+                                "in_top": sum(1 for g in got if g)}
     return summary
+
+
+def guessed(item: dict[str, Any]) -> int | None:
+    """Where the masked word is among a fill-mask item's predictions (1 = first), or None."""
+    word = str(item.get("word", "")).strip().lower()
+    tokens = [str(p.get("token", "")).strip().lower() for p in item.get("predictions", [])]
+    return tokens.index(word) + 1 if word and word in tokens else None
+
+
+def _verdict(item: dict[str, Any]) -> str:
+    rank = guessed(item)
+    if rank == 1:
+        return "yes"
+    count = len(item.get("predictions", []))
+    return f"{_ordinal(rank)} of {count}" if rank else f"no (not in the top {count})"
+
+
+def _ordinal(rank: int) -> str:
+    suffix = {1: "st", 2: "nd", 3: "rd"}.get(rank, "th")
+    return f"{rank}{suffix}"
 
 
 def _ran_in(results: Results, job_id: object) -> str:
@@ -219,7 +262,8 @@ def _provenance(results: Results, page_dir: Path) -> list[str]:
             ["what", "value"], [[k, v] for k, v in pins.items()], "pins"))
         pinned = str(pins.get("digest", ""))
         other = {name: image for name, image in results.ran_in.items()
-                 if pinned and image.startswith("sha256:") and image != pinned}
+                 if pinned and name in results.trained and image.startswith("sha256:")
+                 and image != pinned}
         for name, image in sorted(other.items()):
             parts.append(f"<p class='fail image-mismatch'>{html.escape(name)} ran in "
                          f"{html.escape(image)}, not the pinned {html.escape(pinned)}: its "
@@ -232,11 +276,13 @@ def _provenance(results: Results, page_dir: Path) -> list[str]:
               m.get("image_digest") or m.get("image")] for path, m in results.exports],
             "exports"))
     if results.fill_mask:
-        rows = [[item.get("masked"), ", ".join(
+        rows = [[item.get("masked"), item.get("word"), ", ".join(
             f"{p.get('token')} ({float(p.get('score', 0)):.3f})"
-            for p in item.get("predictions", []))] for item in results.fill_mask]
+            for p in item.get("predictions", [])), _verdict(item)]
+            for item in results.fill_mask]
         parts.append("<h2>Fill-mask (the exported model, transformers' pipeline)</h2>"
-                     + _table(["sentence", "top predictions"], rows, "fill-mask"))
+                     + _table(["sentence", "masked word", "top predictions", "got it"], rows,
+                              "fill-mask"))
     return parts
 
 

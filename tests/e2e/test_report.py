@@ -135,6 +135,47 @@ def test_report_plots_and_page(cli, results: Path, tmp_path: Path) -> None:
     assert fill and fill.group(1).count("[MASK]") >= 3, dom[-3000:]
 
 
+# Injected into a copy of the page: what sticks out of a 1280-pixel window or out of the
+# page's column (an element's right edge), or is cut off inside its cell.
+MEASURE = """<script>window.addEventListener('load', function () {
+  var width = document.documentElement.clientWidth, body = document.body, out = [];
+  var column = body.getBoundingClientRect().right;
+  if (document.documentElement.scrollWidth > width) out.push('page');
+  document.querySelectorAll('h1, h2, p, table, td, th, figure, img').forEach(function (e) {
+    var right = e.getBoundingClientRect().right;
+    if (right > width + 0.5 || right > column + 0.5) out.push(e.tagName + ':' + right);
+    if ((e.tagName == 'TD' || e.tagName == 'TH') && e.scrollWidth > e.clientWidth + 1)
+      out.push('cut:' + e.textContent.slice(0, 30));
+  });
+  body.setAttribute('data-window', String(width));
+  body.setAttribute('data-overflow', out.join(' | ') || 'none');
+});</script>"""
+
+
+def test_the_page_fits_1280_pixels_and_shows_every_jobs_image(tmp_path: Path) -> None:
+    """The demo's four jobs as their scripts leave RESULTSDIR (tests/report_layout.py: the
+    dataset and NCCL jobs' ran_in.json too), the page laid out by Chromium at 1280 px."""
+    from imgpipe.recipes.report import write_report
+    from tests.report_layout import DIGEST, JOBS, jobs_results
+
+    page = Path(write_report(jobs_results(tmp_path))["report"])
+    measured = tmp_path / "measured.html"
+    measured.write_text(page.read_text().replace("</body>", MEASURE + "</body>"))
+    chromium = shutil.which("chromium")
+    assert chromium, "chromium is not installed (./setup.sh installs it)"
+    dom = subprocess.run(
+        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+         "--hide-scrollbars", "--window-size=1280,2400", f"--user-data-dir={tmp_path / 'p'}",
+         "--virtual-time-budget=5000", "--dump-dom", measured.as_uri()],
+        capture_output=True, text=True, timeout=120).stdout
+    assert 'data-window="1280"' in dom, dom[:2000]
+    assert 'data-overflow="none"' in dom, re.findall(r'data-overflow="([^"]*)"', dom)
+    jobs = re.search(r'<table class="jobs">(.*?)</table>', dom, re.S)
+    assert jobs, dom[:2000]
+    rows = re.findall(r"<tr>(.*?)</tr>", jobs.group(1), re.S)[1:]
+    assert [re.findall(r"<td[^>]*>(.*?)</td>", row)[-1] for row in rows] == [DIGEST] * len(JOBS)
+
+
 def test_report_of_an_empty_folder_is_a_one_line_error(cli, tmp_path: Path) -> None:
     code, out, err = cli("report", str(tmp_path))
     assert code != 0 and "holds no trainer log" in err and "Traceback" not in err

@@ -215,6 +215,11 @@ def test_phase2_starts_from_hugging_face_or_nvidia_weights_and_records_its_image
     meta = json.loads((tmp_path / "hf" / "imgpipe_export.json").read_text())
     assert (meta["phase"], meta["step"], meta["image_digest"]) == (
         1, 20, image["IMGPIPE_IMAGE_DIGEST"]) and meta["loss"] > 0
+    # the model card's training table is the run's own record of itself
+    card = (tmp_path / "hf" / "README.md").read_text()
+    assert (f"| 1 | `{shards}` (4 shards) | {SEQ} | {PRED} | 32 | 20 | {meta['loss']} "
+            f"| {image['IMGPIPE_IMAGE_DIGEST']} |") in card.splitlines()
+    assert meta["loss"] == records(first.stdout)[-1]["loss"]
     reference = pretrain(shards, tiny_config, tmp_path / "from-ckpt", "--max_steps=2",
                          "--log_freq=1", "--phase2", f"--init_checkpoint={out}")
     for source, layout in ((tmp_path / "hf", "hf"), (tmp_path / "nv" / "bert_nvidia.pt",
@@ -224,6 +229,93 @@ def test_phase2_starts_from_hugging_face_or_nvidia_weights_and_records_its_image
         assert records(result.stdout, "start")[0]["init_checkpoint"] == f"{source} ({layout})"
         assert [s["loss"] for s in records(result.stdout)] == pytest.approx(
             [s["loss"] for s in records(reference.stdout)], abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def public_shards(tmp_path_factory) -> Path:
+    """Shards for tests.bert_layouts' models: a vocabulary of 99, which the trainer pads
+    to 104 (so the padding's share of the softmax would show in the loss)."""
+    folder = tmp_path_factory.mktemp("public") / "phase1"
+    write_shards(folder, shards=2, per_shard=64, seq_len=SEQ, max_pred=PRED, vocab_size=99)
+    return folder
+
+
+def test_phase1_from_public_weights_starts_at_the_loss_transformers_computes(
+        public_shards, tmp_path) -> None:
+    """Continued pre-training from the hub's bert-base-uncased layout (pytorch_model.bin
+    with old LayerNorm names, config.json beside): the first logged loss is the loss
+    transformers' BertForPreTraining computes for the first batch of the run."""
+    from bert_trainer.data import ShardStream, shard_files
+    from bert_trainer.model import IGNORE
+
+    from tests.bert_layouts import hub_style_folder, made
+
+    theirs = made()
+    hub = hub_style_folder(theirs, tmp_path / "bert-base-uncased")
+    result = pretrain(public_shards, hub / "config.json", tmp_path / "ckpt", "--max_steps=1",
+                      "--log_freq=1", f"--init_checkpoint={hub}")
+    assert records(result.stdout, "start")[0]["init_checkpoint"] == f"{hub} (hf)"
+    first = records(result.stdout)[0]["loss"]
+    # the run's first batch, from its own data stream: rank 0 of 1, the default seed
+    batch = next(iter(ShardStream(shard_files(public_shards), 0, 1, 12345, 32, SEQ, PRED, 99)))
+    labels = torch.full_like(batch.input_ids, IGNORE)
+    used = batch.masked_lm_labels != IGNORE
+    rows = torch.arange(len(labels)).unsqueeze(1).expand_as(used)
+    labels[rows[used], batch.masked_lm_positions[used]] = batch.masked_lm_labels[used]
+    with torch.no_grad():
+        reference = theirs(input_ids=batch.input_ids, attention_mask=batch.input_mask.long(),
+                           token_type_ids=batch.segment_ids, labels=labels,
+                           next_sentence_label=batch.next_sentence_labels).loss
+    assert first == pytest.approx(float(reference), abs=1e-5)
+    assert int(used.sum()) > 32  # a real MLM loss: many masked slots, not a few
+
+
+def test_every_public_layout_starts_a_run_or_fails_in_one_line(public_shards, tmp_path) -> None:
+    from tests.bert_layouts import dle_checkpoint, made
+
+    config = tmp_path / "config.json"
+    made().save_pretrained(tmp_path / "pretraining")  # the same shape, as the run's config
+    config.write_text((tmp_path / "pretraining" / "config.json").read_text())
+    made("BertForMaskedLM").save_pretrained(tmp_path / "mlm")
+    made("BertModel").save_pretrained(tmp_path / "encoder")
+    dle = dle_checkpoint(made(), tmp_path / "dle" / "ckpt_8601.pt", data_loader=True)
+    made(num_hidden_layers=4).save_pretrained(tmp_path / "deeper")
+
+    def run(init: Path, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
+        out = tmp_path / f"out-{init.name}-{len(extra)}"
+        return pretrain(public_shards, config, out, "--max_steps=1", "--log_freq=1",
+                        f"--init_checkpoint={init}", *extra, check=check)
+
+    for init, fresh in ((tmp_path / "mlm", "BertForMaskedLM (hf), has no pooler or "
+                         "next-sentence head"),
+                        (tmp_path / "encoder", "BertModel (hf), has no masked-LM head or "
+                         "next-sentence head")):
+        result = run(init)
+        warnings = [w["message"] for w in records(result.stdout, "warning")]
+        assert warnings == [next(w for w in warnings if fresh in w)], warnings
+        assert len(records(result.stdout)) == 1
+    for init, trust, expected in (
+            (dle, (), "pass --trust_checkpoint"),
+            (tmp_path / "deeper", (), "num_hidden_layers: the checkpoint's weights have 4, "
+             f"--config_file {config} says 2")):
+        result = run(init, *trust, check=False)
+        assert result.returncode == 1 and "Traceback" not in result.stderr
+        assert result.stderr.count("\n") == 1 and expected in result.stderr
+        assert not records(result.stdout) and not list(tmp_path.glob(f"out-{init.name}-*/*"))
+    trusted = run(dle.parent, "--trust_checkpoint")
+    assert records(trusted.stdout, "start")[0]["init_checkpoint"] == f"{dle.parent} (nvidia)"
+
+
+def test_a_resumed_run_says_it_did_not_read_init_checkpoint(shards, tiny_config,
+                                                            tmp_path) -> None:
+    out = tmp_path / "ckpt"
+    pretrain(shards, tiny_config, out, "--max_steps=2", "--log_freq=2")
+    again = pretrain(shards, tiny_config, out, "--max_steps=4", "--log_freq=2",
+                     "--resume_from_checkpoint", f"--init_checkpoint={tmp_path / 'other'}")
+    [warning] = records(again.stdout, "warning")
+    assert warning["message"] == (
+        f"--init_checkpoint {tmp_path / 'other'} not read: resuming from "
+        f"{out / 'phase1' / 'ckpt_2.pt'}, which started from fresh weights")
 
 
 def test_phase2_without_a_phase1_checkpoint_is_refused(shards, tiny_config, tmp_path) -> None:
@@ -266,6 +358,11 @@ def test_bad_input_is_one_clear_line(shards, tiny_config, tmp_path) -> None:
     assert "outside the model's vocabulary of 16" in fails(f"--config_file={small}")
     assert fails(f"--output_dir={small}/checkpoints") == (
         f"error: Not a directory: {small}/checkpoints/phase1")
+    assert fails(f"--init_checkpoint={tmp_path / 'bert-base-uncasd'}") == (
+        f"error: --init_checkpoint {tmp_path / 'bert-base-uncasd'}: no such file or folder")
+    assert fails("--max_seq_length=256") == (
+        f"error: --max_seq_length 256 is longer than the model's 128 positions "
+        f"(max_position_embeddings of --config_file {tiny_config})")
 
 
 def test_fewer_shards_than_ranks_is_refused(tiny_config, tmp_path) -> None:

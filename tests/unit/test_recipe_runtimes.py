@@ -137,6 +137,43 @@ def test_an_init_checkpoint_elsewhere_is_mounted_not_passed_through(tmp_path: Pa
     assert "--init_checkpoint=/init" in program and mounts["/init"] == str(elsewhere)
 
 
+def test_phase1_starts_from_init_checkpoint_when_one_is_set(tmp_path: Path) -> None:
+    """Continued pre-training: INIT_CHECKPOINT (public weights) mounted in phase 1 too, with
+    TRUST_CHECKPOINT passed on; unset, phase 1 starts from fresh weights."""
+    public = tmp_path / "bert-base-uncased"
+    public.mkdir()
+    done, [call], _ = _run(tmp_path, "pyxis", "run.sub", 1,
+                           {"INIT_CHECKPOINT": str(public), "TRUST_CHECKPOINT": "1"})
+    assert done.returncode == 0, done.stderr
+    program, mounts = _program_and_mounts("pyxis", call)
+    assert "--init_checkpoint=/init" in program and mounts["/init"] == str(public)
+    assert "--trust_checkpoint" in program and "--phase2" not in program
+    done, [call], _ = _run(tmp_path / "plain", "pyxis", "run.sub", 1)
+    program, _ = _program_and_mounts("pyxis", call)
+    assert not [a for a in program if a.startswith(("--init_checkpoint", "--trust"))]
+
+
+def test_nccl_sub_records_the_nccl_tests_image_it_runs_in(tmp_path: Path) -> None:
+    """With an nccl-tests image of its own, nccl.sub records that image and its digest
+    (tests/unit/test_report_page.py: the bert image, for every job of the demo)."""
+    nccl = "head:5000/nccl-tests@sha256:" + "e" * 64
+    render_bundle(RecipeInputs(load_profile("local"), 2, "/images/bert.sqsh", nccl_image=nccl,
+                               results_dir=str(tmp_path / "results"),
+                               image_digest="sha256:" + "b" * 64), tmp_path / "recipes")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "srun").write_text("#!/bin/bash\nexit 0\n")
+    (tmp_path / "bin" / "srun").chmod(0o755)
+    done = subprocess.run(["bash", str(tmp_path / "recipes" / "nccl.sub")], capture_output=True,
+                          text=True, timeout=60, env={
+                              "PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "SLURM_JOB_ID": "9",
+                              "SLURM_JOB_NAME": "nccl-check"})
+    assert done.returncode == 0, done.stderr
+    assert f"nccl.sub: image head:5000#nccl-tests@sha256:{'e' * 64}" in done.stderr
+    record = json.loads((tmp_path / "results" / "nccl-check-9" / "ran_in.json").read_text())
+    assert record == {"job": "nccl-check", "id": "9", "image": nccl.replace("/", "#", 1),
+                      "image_digest": "sha256:" + "e" * 64}
+
+
 def test_run_sub_refuses_an_allocation_other_than_its_config(tmp_path: Path) -> None:
     done, calls, _ = _run(tmp_path, "pyxis", "run.sub", 1,
                           {"SLURM_JOB_NUM_NODES": "1", "SLURM_NTASKS": "2"})

@@ -47,18 +47,6 @@ def latest(folder: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def resolve_init(path: Path) -> Path:
-    """``--init_checkpoint``: a file, or a folder whose (phase1/) latest checkpoint is used."""
-    if path.is_file():
-        return path
-    for folder in (phase_dir(path, 1), path):
-        found = latest(folder)
-        if found:
-            return found
-    raise CheckpointError(f"--init_checkpoint {path}: no ckpt_<step>.pt there or in its "
-                          "phase1/ folder (run phase 1 first)")
-
-
 def save(folder: Path, step: int, payload: dict, keep: int) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / f"ckpt_{step}.pt"

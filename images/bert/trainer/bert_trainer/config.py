@@ -11,6 +11,19 @@ class ConfigError(ValueError):
     """A config file that cannot describe a BERT model; the message names the file and key."""
 
 
+# hidden_act as each ecosystem writes it -> the trainer's two GeLUs: exact (erf) and tanh.
+# transformers writes gelu_pytorch_tanh (and reads gelu_new, the same function);
+# DeepLearningExamples' LinearActivation turns gelu into bias_gelu.
+ACTIVATIONS = {"gelu": "gelu", "bias_gelu": "gelu", "gelu_tanh": "gelu_tanh",
+               "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+
+# What makes two BERTs the same network: compared between a checkpoint (its weights, the
+# config beside it) and the run's config before a step runs.
+ARCHITECTURE = ("num_hidden_layers", "num_attention_heads", "hidden_size", "intermediate_size",
+                "vocab_size", "max_position_embeddings", "type_vocab_size", "hidden_act",
+                "layer_norm_eps")
+
+
 @dataclass(frozen=True)
 class BertConfig:
     vocab_size: int = 30522
@@ -57,11 +70,24 @@ class BertConfig:
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
 
+    def architecture(self) -> dict[str, object]:
+        """The fields of ``ARCHITECTURE`` and their values."""
+        return {name: getattr(self, name) for name in ARCHITECTURE}
+
     @classmethod
     def from_dict(cls, values: dict, source: str = "config") -> BertConfig:
         known = {f.name: f.type for f in fields(cls)}
         # Files from other trainers carry extra keys (architectures, model_type, ...).
         kept = {k: v for k, v in values.items() if k in known}
+        for name, wanted in (("model_type", "bert"), ("position_embedding_type", "absolute")):
+            if values.get(name, wanted) != wanted:
+                raise ConfigError(f"{source}: {name}: this trainer trains {wanted}, not "
+                                  f"{values[name]!r}")
+        act = kept.get("hidden_act", "gelu")
+        if not isinstance(act, str) or act not in ACTIVATIONS:
+            raise ConfigError(f"{source}: hidden_act: must be one of "
+                              f"{', '.join(ACTIVATIONS)}, not {act!r}")
+        kept["hidden_act"] = ACTIVATIONS[act]
         config = cls(**kept)
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "intermediate_size", "max_position_embeddings", "type_vocab_size"):
@@ -75,9 +101,9 @@ class BertConfig:
         if config.hidden_size % config.num_attention_heads:
             raise ConfigError(f"{source}: hidden_size {config.hidden_size} is not a multiple of "
                               f"num_attention_heads {config.num_attention_heads}")
-        if config.hidden_act not in ("gelu", "gelu_new", "gelu_tanh"):
-            raise ConfigError(f"{source}: hidden_act: must be gelu or gelu_tanh, "
-                              f"not {config.hidden_act!r}")
+        eps = config.layer_norm_eps
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < 1:
+            raise ConfigError(f"{source}: layer_norm_eps: must be in (0, 1), not {eps!r}")
         return config
 
     @classmethod

@@ -12,6 +12,8 @@ Three layouts of one BERT with pre-training heads:
   padded (their pre-training pads it to a multiple of 8) and the decoder weight stored.
 
 Each rule is written once, in ``_pairs``: one row per tensor, its name in each layout.
+The heads are optional on the way in (``HEADS``): a ``BertForMaskedLM`` has no pooler and
+no next-sentence head, a ``BertModel`` neither head; keys that no rule names are an error.
 """
 
 from __future__ import annotations
@@ -77,6 +79,37 @@ def _qkv(config: BertConfig) -> Iterator[tuple[str, list[str]]]:
 VOCAB_ROWS = {"embeddings.word_embeddings.weight", "mlm_bias"}  # padded in the trainer
 DECODER = "cls.predictions.decoder.weight"
 
+# The parts a checkpoint may lack, under the trainer's names; the encoder is never optional.
+HEADS: dict[str, tuple[str, ...]] = {
+    "pooler": ("pooler.weight", "pooler.bias"),
+    "masked-LM head": ("mlm_transform.weight", "mlm_transform.bias", "mlm_norm.weight",
+                       "mlm_norm.bias", "mlm_bias"),
+    "next-sentence head": ("nsp.weight", "nsp.bias")}
+ALL_HEADS = tuple(HEADS)
+
+
+def head_keys(config: BertConfig, layout: Layout, head: str) -> list[str]:
+    """The names of ``head``'s tensors in ``layout``."""
+    if layout == "trainer":
+        return list(HEADS[head])
+    names = {row[0]: row[_column(layout)] for row in _pairs(config)}
+    return [names[key] for key in HEADS[head]]
+
+
+def heads_present(state: dict[str, torch.Tensor], config: BertConfig, layout: Layout
+                  ) -> tuple[str, ...]:
+    """The heads whose tensors ``state`` holds; LayoutError for a head only partly there."""
+    present = []
+    for head in HEADS:
+        keys = head_keys(config, layout, head)
+        there = [key for key in keys if key in state]
+        if there and len(there) < len(keys):
+            missing = next(key for key in keys if key not in state)
+            raise LayoutError(f"missing {missing} (the rest of the {head} is there)")
+        if there:
+            present.append(head)
+    return tuple(present)
+
 
 def _column(layout: Layout) -> int:
     return {"hf": 1, "nvidia": 2}[layout]
@@ -105,16 +138,19 @@ def export_state(state: dict[str, torch.Tensor], config: BertConfig, layout: Lay
     return out
 
 
-def import_state(state: dict[str, torch.Tensor], config: BertConfig, layout: Layout
-                 ) -> dict[str, torch.Tensor]:
-    """``layout``'s state dict as the trainer's (the vocabulary padded with zero rows)."""
+def import_state(state: dict[str, torch.Tensor], config: BertConfig, layout: Layout,
+                 heads: tuple[str, ...] = ALL_HEADS) -> dict[str, torch.Tensor]:
+    """``layout``'s state dict as the trainer's (the vocabulary padded with zero rows);
+    the heads not in ``heads`` are absent from both."""
     if layout == "trainer":
-        check_keys(state, config, "trainer")
+        check_keys(state, config, "trainer", heads)
         return dict(state)
     state = {k: v for k, v in state.items() if k != DECODER}
-    check_keys(state, config, layout)
+    check_keys(state, config, layout, heads)
     out: dict[str, torch.Tensor] = {}
     for row in _pairs(config):
+        if row[_column(layout)] not in state:  # a head this checkpoint does not have
+            continue
         tensor = state[row[_column(layout)]]
         if row[0] in VOCAB_ROWS:
             padded = torch.zeros((config.padded_vocab_size, *tensor.shape[1:]),
@@ -127,8 +163,9 @@ def import_state(state: dict[str, torch.Tensor], config: BertConfig, layout: Lay
     return out
 
 
-def expected_shapes(config: BertConfig, layout: Layout) -> dict[str, tuple[int, ...]]:
-    """Every key of ``layout`` and its shape, for ``config``."""
+def expected_shapes(config: BertConfig, layout: Layout, heads: tuple[str, ...] = ALL_HEADS
+                    ) -> dict[str, tuple[int, ...]]:
+    """Every key of ``layout`` and its shape, for ``config`` (with ``heads`` only)."""
     h, f = config.hidden_size, config.intermediate_size
     vocab = config.padded_vocab_size if layout != "hf" else config.vocab_size
     shapes: dict[str, tuple[int, ...]] = {}
@@ -158,16 +195,21 @@ def expected_shapes(config: BertConfig, layout: Layout) -> dict[str, tuple[int, 
         else:
             for name in parts:
                 shapes[name] = (h, h) if kind == "weight" else (h,)
-    if layout == "nvidia":
+    if layout == "nvidia" and "masked-LM head" in heads:
         shapes[DECODER] = (vocab, h)
+    for head in ALL_HEADS:
+        if head not in heads:
+            for key in head_keys(config, layout, head):
+                shapes.pop(key)
     return shapes
 
 
-def check_keys(state: dict[str, torch.Tensor], config: BertConfig, layout: Layout) -> None:
-    """LayoutError naming the first missing key or wrong shape (one line)."""
-    wanted = expected_shapes(config, layout)
+def check_keys(state: dict[str, torch.Tensor], config: BertConfig, layout: Layout,
+               heads: tuple[str, ...] = ALL_HEADS) -> None:
+    """LayoutError naming the first missing key, wrong shape or unused key (one line)."""
+    wanted = expected_shapes(config, layout, heads)
     if layout == "nvidia" and DECODER not in state:
-        wanted.pop(DECODER)
+        wanted.pop(DECODER, None)
     for name, shape in wanted.items():
         if name not in state:
             raise LayoutError(f"missing {name} (is it a BERT with pre-training heads of "
@@ -175,11 +217,19 @@ def check_keys(state: dict[str, torch.Tensor], config: BertConfig, layout: Layou
         if tuple(state[name].shape) != shape:
             raise LayoutError(f"{name} has shape {tuple(state[name].shape)}, the config "
                               f"wants {shape}")
+    unused = sorted(set(state) - set(wanted))
+    if unused:
+        shown = ", ".join(unused[:3]) + (f" and {len(unused) - 3} more" if len(unused) > 3
+                                          else "")
+        raise LayoutError(f"unused keys {shown}: no part of a BERT of "
+                          f"{config.num_hidden_layers} layers with pre-training heads has "
+                          "them (a fine-tuned model's task head?)")
 
 
 def detect(keys: set[str]) -> Layout:
-    """Which layout a state dict's keys are in."""
-    if "embeddings.word_embeddings.weight" in keys:
+    """Which layout a state dict's keys are in (``variants.normalize`` first: a
+    ``BertModel``'s keys have no ``bert.`` prefix)."""
+    if any(key.startswith("layers.") for key in keys):
         return "trainer"
     if any(".dense_act." in key for key in keys):
         return "nvidia"

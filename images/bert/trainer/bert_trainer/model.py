@@ -110,15 +110,29 @@ class BertForPreTraining(nn.Module):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
 
-    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor,
-                attention_mask: torch.Tensor, masked_lm_positions: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """MLM logits [B, P, padded vocab] at the masked slots and NSP logits [B, 2]."""
+    def encode(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor,
+               attention_mask: torch.Tensor) -> torch.Tensor:
+        """The encoder's output [B, S, hidden] (``BertModel``'s ``last_hidden_state``)."""
         # True where a key may be attended to, broadcast over heads and queries.
         keep = attention_mask.bool()[:, None, None, :]
         x = self.embeddings(input_ids, token_type_ids)
         for layer in self.layers:
             x = layer(x, keep)
+        return x
+
+    def pooled(self, encoded: torch.Tensor) -> torch.Tensor:
+        """The pooler's output [B, hidden]: tanh of a linear layer at [CLS]."""
+        return torch.tanh(self.pooler(encoded[:, 0]))
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor,
+                attention_mask: torch.Tensor, masked_lm_positions: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """MLM logits [B, P, vocab] at the masked slots and NSP logits [B, 2].
+
+        The decoder runs over the padded vocabulary (tensor-core shapes); the padding's
+        logits are dropped, so they take no share of the softmax: the loss is the one
+        ``transformers`` computes for the unpadded model."""
+        x = self.encode(input_ids, token_type_ids, attention_mask)
         hidden = x.shape[-1]
         index = masked_lm_positions.long().unsqueeze(-1).expand(-1, -1, hidden)
         at_masks = torch.gather(x, 1, index)  # [B, P, H]: only the masked positions
@@ -126,8 +140,7 @@ class BertForPreTraining(nn.Module):
                                               F.linear(at_masks, self.mlm_transform.weight),
                                               self.approximate))
         mlm_logits = F.linear(transformed, self.embeddings.word_embeddings.weight, self.mlm_bias)
-        pooled = torch.tanh(self.pooler(x[:, 0]))
-        return mlm_logits, self.nsp(pooled)
+        return mlm_logits[..., :self.config.vocab_size], self.nsp(self.pooled(x))
 
     def no_decay_names(self) -> set[str]:
         """Biases and LayerNorm parameters: LAMB applies no weight decay to them."""

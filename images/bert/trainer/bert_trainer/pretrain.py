@@ -14,6 +14,10 @@ Examples::
     ... --phase2 --init_checkpoint=/checkpoints --max_seq_length=512 \\
         --max_predictions_per_seq=80 --learning_rate=4e-3 --warmup_proportion=0.128
 
+    # continued pre-training of public weights (a Hugging Face folder, safetensors or
+    # pytorch_model.bin; an NVIDIA checkpoint): phase 1 from them, their config's shape
+    ... --init_checkpoint=bert-base-uncased --config_file=bert-base-uncased/config.json
+
 ``--train_batch_size`` is per GPU *after* accumulation (global batch =
 train_batch_size x GPUs); each micro-step runs train_batch_size /
 gradient_accumulation_steps sequences.  SIGTERM or SIGUSR1 (Slurm's warning
@@ -91,7 +95,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     phase.add_argument("--phase2", action="store_true",
                        help="phase 2: start from --init_checkpoint with a fresh schedule")
     phase.add_argument("--init_checkpoint", type=Path, default=None,
-                       help="phase 1 checkpoint file, or a folder holding phase1/ckpt_*.pt")
+                       help="start from these weights (any phase): a checkpoint file, a "
+                       "folder holding phase1/ckpt_*.pt, a Hugging Face folder or file, an "
+                       "NVIDIA DeepLearningExamples checkpoint")
+    phase.add_argument("--trust_checkpoint", action="store_true",
+                       help="let --init_checkpoint hold pickled Python objects (NVIDIA's "
+                       "checkpoints of 2020-2022 hold a data loader): unpickling runs code "
+                       "the file names, so only for files you trust")
     phase.add_argument("--resume_from_checkpoint", action="store_true",
                        help="continue from this phase's latest checkpoint if there is one")
     phase.add_argument("--num_steps_per_checkpoint", type=int, default=200,
@@ -181,12 +191,13 @@ def _train(args: argparse.Namespace, where) -> int:  # noqa: ANN001 - Placement
     import torch.distributed as dist
 
     from bert_trainer import checkpoint
-    from bert_trainer.config import BertConfig
+    from bert_trainer.config import BertConfig, ConfigError
     from bert_trainer.data import Position, Prefetcher, ShardStream, shard_files
+    from bert_trainer.lineage import phase_record
     from bert_trainer.metrics import JsonLog, Throughput, peak_tflops
     from bert_trainer.model import BertForPreTraining, count_parameters
+    from bert_trainer.start import config_name, starting_point
     from bert_trainer.trainer import Trainer, default_precision
-    from bert_trainer.weights import initial_weights
 
     stop = StopRequest()
     distributed = where.world_size > 1
@@ -210,35 +221,38 @@ def _train(args: argparse.Namespace, where) -> int:  # noqa: ANN001 - Placement
     micro_batch = args.train_batch_size // args.gradient_accumulation_steps
     files = shard_files(args.input_dir)  # before building the model: fail fast
 
+    if args.max_seq_length > config.max_position_embeddings:
+        raise ConfigError(f"--max_seq_length {args.max_seq_length} is longer than the model's "
+                          f"{config.max_position_embeddings} positions "
+                          f"(max_position_embeddings of {config_name(args.config_file)})")
+
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = BertForPreTraining(config)
     ckpt_dir = checkpoint.phase_dir(args.output_dir, phase)
+    resume = checkpoint.latest(ckpt_dir) if args.resume_from_checkpoint else None
+    saved = checkpoint.load(resume) if resume is not None else None
+    # a checkpoint this run cannot start from stops it here: nothing trained, nothing written
+    begun = starting_point(args.init_checkpoint, args.trust_checkpoint, config,
+                           config_name(args.config_file), phase, model, saved, resume)
+    initialized_from = begun.init_checkpoint
     if rank == 0:  # an unwritable --output_dir fails now, not at the first checkpoint
         ckpt_dir.mkdir(parents=True, exist_ok=True)
-    resume = checkpoint.latest(ckpt_dir) if args.resume_from_checkpoint else None
-    initialized_from = None
-    if phase == 2 and resume is None:
-        if args.init_checkpoint is None:
-            raise checkpoint.CheckpointError(
-                "phase 2 starts from a phase 1 checkpoint: pass --init_checkpoint")
-        source = args.init_checkpoint
-        if not source.is_file() and not (source / "model.safetensors").is_file() \
-                and not (source / "bert_nvidia.pt").is_file():
-            source = checkpoint.resolve_init(source)  # phase 1's latest
-        weights, layout = initial_weights(source, config)
-        model.load_state_dict(weights)
-        initialized_from = str(source) if layout == "trainer" else f"{source} ({layout})"
     # what the job ran in: run.sub exports the image it pinned (imgpipe's recipes)
     image = os.environ.get("IMGPIPE_IMAGE") or None
     image_digest = os.environ.get("IMGPIPE_IMAGE_DIGEST") or None
+    for event, message in begun.lines:
+        log.write({"event": event, "message": message})
+    this_phase = phase_record(phase, args.input_dir, len(files), args.max_seq_length,
+                              args.max_predictions_per_seq, args.train_batch_size * world,
+                              args.learning_rate, args.max_steps, initialized_from, image,
+                              image_digest)
     trainer = Trainer(model, device, precision, args.learning_rate, args.warmup_proportion,
                       args.max_steps, args.gradient_accumulation_steps, distributed,
                       compile_model, args.weight_decay, args.max_grad_norm,
                       args.loss_scale_growth_interval)
     torch.manual_seed(args.seed + rank)  # dropout differs across ranks
     start = Position()
-    if resume is not None:
-        saved = checkpoint.load(resume)
+    if saved is not None:
         trainer.load_state_dict(saved)
         if saved["world_size"] == world:
             start = Position(**saved["data"][rank])
@@ -248,7 +262,7 @@ def _train(args: argparse.Namespace, where) -> int:  # noqa: ANN001 - Placement
             log.write({"event": "warning", "message": f"checkpoint from {saved['world_size']} "
                        f"ranks resumed on {world}: data restarts at epoch {start.epoch}"})
     stream = ShardStream(files, rank, world, args.seed, micro_batch, args.max_seq_length,
-                         args.max_predictions_per_seq, config.padded_vocab_size, start)
+                         args.max_predictions_per_seq, config.vocab_size, start)
     batches = Prefetcher(stream, depth=args.prefetch, pin_memory=use_cuda)
     global_batch = args.train_batch_size * world
     throughput = Throughput(global_batch, args.max_seq_length,
@@ -279,7 +293,10 @@ def _train(args: argparse.Namespace, where) -> int:  # noqa: ANN001 - Placement
             payload = {"format": checkpoint.FORMAT, "phase": phase, "step": trainer.step_count,
                        "world_size": world, "data": positions, "rng": rngs,
                        "config": asdict(config), "loss": last_loss, "image": image,
-                       "image_digest": image_digest, **trainer.state_dict()}
+                       "image_digest": image_digest, "init_checkpoint": initialized_from,
+                       "lineage": [*begun.history, {**this_phase, "step": trainer.step_count,
+                                                     "loss": last_loss}],
+                       **trainer.state_dict()}
             written = checkpoint.save(ckpt_dir, trainer.step_count, payload,
                                       args.keep_checkpoints)
         if distributed:  # no rank leaves (or exits) before the file is complete
