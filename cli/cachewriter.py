@@ -43,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     # sudo keeps the caller's umask: a job user's 077 would leave the shared entries (and
     # their blobs) unreadable to every other user.  The writer's files are its own choice.
     os.umask(0o022)
-    from imgpipe.base.config import load_settings
+    from pathlib import Path
+
+    from imgpipe.base.config import parse_settings
     from imgpipe.base.errors import ImgpipeError
     from imgpipe.base.terminal import safe_line
     from imgpipe.commands.cachewriter import write_shared
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         print(safe_line(f"imgpipe-cache-writer: {text}"), file=sys.stderr, flush=True)
 
     try:
-        written = write_shared(load_settings(config), args[0], say=say)
+        written = write_shared(parse_settings(Path(config)), args[0], say=say)
     except ImgpipeError as exc:
         say(f"error: {exc}")
         return 1

@@ -62,6 +62,8 @@ LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
         "A local Slurm cluster to try recipes on before a real one (needs root)."),
     "report": ("imgpipe.cli.report", "report",
         "Plots and one HTML page of a BERT workflow's results."),
+    "config": ("imgpipe.cli.config", "config",
+        "The configuration imgpipe runs with, and where each key came from."),
 }
 
 
@@ -100,8 +102,10 @@ class LazyGroup(click.Group):
 
 @click.group(cls=LazyGroup, context_settings=CONTEXT)
 @click.option("--config", "config_path", metavar="FILE", envvar="IMGPIPE_CONFIG",
-              help="imgpipe.yaml to use (default: the nearest one above the current "
-              "directory, else built-in defaults: registry 127.0.0.1:5000, outputs in ./build).")
+              help="A config file over the others (/etc/imgpipe/imgpipe.yaml, then "
+              "~/.config/imgpipe/imgpipe.yaml, then the nearest imgpipe.yaml above the current "
+              "directory; with none: registry 127.0.0.1:5000, outputs in ./build).  Also "
+              "IMGPIPE_CONFIG.  `imgpipe config show --origin` says which file set what.")
 @click.option("-v", "--verbose", is_flag=True, help="Log every external command and request.")
 @click.version_option(package_name="imgpipe", prog_name="imgpipe")
 @click.pass_context

@@ -242,14 +242,17 @@ def _say(text: str) -> None:
 
 
 def get(uri: str) -> Path:
-    from imgpipe.base.config import load_settings
+    from pathlib import Path
+
+    from imgpipe.base.config import Settings, parse_settings
     from imgpipe.commands.wiring import registry_client, storage
     from imgpipe.enroot.convert import convert, require_served
     from imgpipe.enroot.published.policy import PublishedPolicy
     from imgpipe.enroot.squash.tools import SquashOptions, compression_of
     from imgpipe.registry.reference import Reference
 
-    settings = load_settings(_config_file())
+    path = _config_file()  # one file, never a user's or a project's layer
+    settings = parse_settings(Path(path)) if path else Settings(root=Path.cwd())
     ref = Reference.parse(uri, default_registry=settings.registry.address)
     enroot = settings.enroot
     cache = storage(settings)
