@@ -13,8 +13,11 @@ __all__ = ["make_report"]
 
 
 def make_report(settings: Settings, results_dir: Path, output: Path | None,
-                profile_name: str) -> dict[str, Any]:
+                profile_name: str | None) -> dict[str, Any]:
     """The report of ``results_dir`` (in ``output``, default RESULTS/report), the NCCL check
-    judged against ``profile_name``'s expected bus bandwidth."""
+    judged against ``profile_name``'s expected bus bandwidth, by default against the profile
+    the NCCL job was rendered for."""
+    if profile_name is None:
+        return write_report(results_dir, output)
     profile = site_profile(settings, profile_name)
-    return write_report(results_dir, output, profile.busbw_gbs)
+    return write_report(results_dir, output, (profile.name, profile.busbw_gbs))

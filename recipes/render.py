@@ -39,9 +39,10 @@ json_string() {
 record_image() {
   local folder=$1
   mkdir -p "$folder"
-  printf '{"job": %s, "id": %s, "image": %s, "image_digest": %s}\n' \
+  printf '{"job": %s, "id": %s, "image": %s, "image_digest": %s, "profile": %s}\n' \
     "$(json_string "${SLURM_JOB_NAME:-}")" "$(json_string "${SLURM_JOB_ID:-}")" \
-    "$(json_string "$CONT")" "$(json_string "$image_digest")" >"$folder/.ran_in.json.$$"
+    "$(json_string "$CONT")" "$(json_string "$image_digest")" '@PROFILE@' \
+    >"$folder/.ran_in.json.$$"
   mv -f "$folder/.ran_in.json.$$" "$folder/ran_in.json"
 }"""
 SBATCH_SAFE = re.compile(r"^[A-Za-z0-9_.:@+=,/-]{1,128}$")
@@ -255,6 +256,10 @@ def render_bundle(inputs: RecipeInputs, folder: Path, phases: tuple[int, ...] = 
         "config_names": [shape.config_name for shape in shapes],
     }
     templates = _jinja()
+    # Every job records the profile it was rendered for: the report judges NCCL by it.
+    record_image = RECORD_IMAGE.replace("@PROFILE@", json.dumps(
+        {"name": profile.name, "busbw_gbs": profile.busbw_gbs,
+         "gpus_per_node": profile.gpus_per_node}).replace("'", ""))
     written = []
     for name in ("run.sub", "dataset.sub", "nccl.sub"):
         if name != "nccl.sub" or not inputs.nccl_image:  # the bert image
@@ -264,12 +269,13 @@ def render_bundle(inputs: RecipeInputs, folder: Path, phases: tuple[int, ...] = 
             chosen = cont_choice(nccl_image, _reference_digest(nccl_image), {}, {}, name)
         text = templates.get_template(f"{name}.j2").render(**context, shape=shapes[0],
                                                            cont_choice=chosen,
-                                                           record_image=RECORD_IMAGE)
+                                                           record_image=record_image)
         written.append(atomic_write(folder / name, text, mode=0o755))
     for shape in shapes:
         text = templates.get_template("config.sh.j2").render(**context, shape=shape)
         written.append(atomic_write(folder / shape.config_name, text, mode=0o644))
-    meta = {"profile": profile.name, "nodes": inputs.nodes, "runtime": inputs.runtime,
+    meta = {"profile": profile.name, "profile_used": profile.model_dump(mode="json"),
+            "nodes": inputs.nodes, "runtime": inputs.runtime,
             "image": image, "nccl_image": nccl_image,
             **({"platform_images": platform_images} if platform_images else {}),
             "shapes": [asdict(shape) for shape in shapes],

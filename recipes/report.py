@@ -47,6 +47,8 @@ class Results:
     # job folder (<name>-<id>) -> the image it ran in (its ran_in.json, or its trainer's log)
     ran_in: dict[str, str] = field(default_factory=dict)
     trained: set[str] = field(default_factory=set)  # job folders holding a trainer's log
+    # job folder -> the profile it was rendered for ({"name", "busbw_gbs"}: its ran_in.json)
+    profiles: dict[str, dict[str, Any]] = field(default_factory=dict)
     exports: list[tuple[Path, dict[str, Any]]] = field(default_factory=list)
     fill_mask: list[dict[str, Any]] = field(default_factory=list)
 
@@ -62,6 +64,9 @@ def read_results(folder: Path) -> Results:
             image = record.get("image_digest") or record.get("image")
             if image:
                 found.ran_in[path.parent.name] = str(image)
+            profile = record.get("profile")
+            if isinstance(profile, dict) and isinstance(profile.get("busbw_gbs"), int | float):
+                found.profiles[path.parent.name] = profile
     for phase in (1, 2):
         by_step: dict[int, dict[str, Any]] = {}
         for path in sorted(folder.glob(f"*/bert_phase{phase}.jsonl")):
@@ -141,8 +146,41 @@ def plot_metric(results: Results, key: str, title: str, ylabel: str, path: Path)
     return _save(plt, figure, path)
 
 
-def nccl_expectation(results: Results, default_busbw: float) -> float:
-    return float(results.workflow.get("expected_busbw_gbs") or default_busbw)
+@dataclass(frozen=True)
+class Expectation:
+    """What the NCCL check is judged against, and why (the report's first word on it)."""
+
+    busbw_gbs: float
+    profile: str
+    source: str  # "given" (report --profile), "recorded" (the job's), "default"
+
+    @property
+    def line(self) -> str:
+        why = {"given": "as asked (--profile)",
+               "recorded": "as the NCCL job recorded it (recipes render --profile)",
+               "default": "the default: no job recorded a profile; pass --profile"}
+        return (f"judged against profile {self.profile} ({self.busbw_gbs:g} GB/s expected), "
+                f"{why[self.source]}")
+
+
+def nccl_expectation(results: Results, given: tuple[str, float] | None = None) -> Expectation:
+    """The profile the NCCL check is judged by: the one asked for, else the one the NCCL job
+    was rendered for, else the workflow's own expectation, else the sandbox's."""
+    if given is not None:
+        return Expectation(given[1], given[0], "given")
+    recorded = [results.profiles[job] for job in sorted(results.profiles)
+                if job.startswith("nccl")] or [results.profiles[job]
+                                               for job in sorted(results.profiles)]
+    if recorded:
+        return Expectation(float(recorded[-1]["busbw_gbs"]), str(recorded[-1].get("name")),
+                           "recorded")
+    if results.workflow.get("expected_busbw_gbs"):
+        return Expectation(float(results.workflow["expected_busbw_gbs"]),
+                           str(results.workflow.get("profile", "of the workflow")), "recorded")
+    return Expectation(DEFAULT_BUSBW[1], DEFAULT_BUSBW[0], "default")
+
+
+DEFAULT_BUSBW = ("local", 0.05)  # the sandbox's profile (profile_files/local.yaml)
 
 
 def _embedded(path: Path) -> str:
@@ -191,7 +229,7 @@ for(var k=0;k<i.length;k++){if(i[k].complete&&i[k].naturalWidth>0){n++;}}
 document.body.setAttribute('data-plots-loaded',String(n));});</script>"""
 
 
-def summary_of(results: Results, expected_busbw: float) -> dict[str, Any]:
+def summary_of(results: Results, expectation: Expectation) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for phase, events in sorted(results.steps.items()):
         losses = [e["loss"] for e in events if "loss" in e]
@@ -200,11 +238,13 @@ def summary_of(results: Results, expected_busbw: float) -> dict[str, Any]:
                                     "final_mlm_accuracy": events[-1].get("mlm_accuracy")}
     if results.nccl:
         path, run = results.nccl[-1]
-        verdict = check([run], expected_busbw)[0]
+        verdict = check([run], expectation.busbw_gbs)[0]
         summary["nccl"] = {"log": path.name, "verdict": verdict.status.upper(),
                            "line": verdict_line(verdict),
                            "peak_busbw_gbs": round(run.peak_busbw, 3),
-                           "expected_busbw_gbs": expected_busbw}
+                           "expected_busbw_gbs": expectation.busbw_gbs,
+                           "profile": expectation.profile,
+                           "judged_against": expectation.line}
     if results.exports:
         summary["exports"] = [str(path) for path, _ in results.exports]
     if results.ran_in:
@@ -286,13 +326,16 @@ def _provenance(results: Results, page_dir: Path) -> list[str]:
     return parts
 
 
-def write_report(folder: Path, output: Path | None = None, expected_busbw: float = 1.0
-                 ) -> dict[str, Any]:
-    """Plots and index.html for the results in ``folder``; returns what the page says."""
+def write_report(folder: Path, output: Path | None = None,
+                 profile: tuple[str, float] | None = None) -> dict[str, Any]:
+    """Plots and index.html for the results in ``folder``; returns what the page says.  The
+    NCCL check is judged against ``profile`` (name, expected bus bandwidth) when given, else
+    against the profile the NCCL job was rendered for."""
     results = read_results(folder)
     out = output or folder / "report"
     out.mkdir(parents=True, exist_ok=True)
-    expected = nccl_expectation(results, expected_busbw)
+    expectation = nccl_expectation(results, profile)
+    expected = expectation.busbw_gbs
     plots = [p for p in (
         plot_metric(results, "loss", "training loss", "loss", out / "loss.png"),
         plot_metric(results, "mlm_accuracy", "masked-LM accuracy", "accuracy",
@@ -306,7 +349,7 @@ def write_report(folder: Path, output: Path | None = None, expected_busbw: float
         [verdict] = check([run], expected)
         plots.append(plot_busbw(run, verdict, out / "nccl_busbw.png",
                                 f"{run.collective} bus bandwidth"))
-    summary = summary_of(results, expected)
+    summary = summary_of(results, expectation)
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>imgpipe report: "
              f"{html.escape(folder.name)}</title><style>{STYLE}</style>{LOADED}</head><body>",
              f"<h1>BERT workflow: {html.escape(str(folder))}</h1>"]
@@ -319,8 +362,9 @@ def write_report(folder: Path, output: Path | None = None, expected_busbw: float
     if "nccl" in summary:
         n = summary["nccl"]
         css = "pass" if n["verdict"] == "PASS" else "fail"
-        parts.append(f"<h2>NCCL check</h2><p class='{css}' id='nccl-verdict'>"
-                     f"{html.escape(n['line'])}</p>")
+        parts.append(f"<h2>NCCL check</h2><p id='nccl-profile'>"
+                     f"{html.escape(n['judged_against'])}</p><p class='{css}' "
+                     f"id='nccl-verdict'>{html.escape(n['line'])}</p>")
     parts += _provenance(results, out)
     parts.append("<h2>Plots</h2>" + "".join(_embedded(p) for p in plots))
     parts.append("</body></html>\n")

@@ -171,7 +171,8 @@ def test_nccl_sub_records_the_nccl_tests_image_it_runs_in(tmp_path: Path) -> Non
     assert f"nccl.sub: image head:5000#nccl-tests@sha256:{'e' * 64}" in done.stderr
     record = json.loads((tmp_path / "results" / "nccl-check-9" / "ran_in.json").read_text())
     assert record == {"job": "nccl-check", "id": "9", "image": nccl.replace("/", "#", 1),
-                      "image_digest": "sha256:" + "e" * 64}
+                      "image_digest": "sha256:" + "e" * 64,
+                      "profile": {"name": "local", "busbw_gbs": 0.05, "gpus_per_node": 2}}
 
 
 def test_run_sub_refuses_an_allocation_other_than_its_config(tmp_path: Path) -> None:

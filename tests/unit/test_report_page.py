@@ -46,7 +46,8 @@ def test_each_job_script_records_its_image_where_the_report_reads_it(tmp_path: P
     results = jobs_results(tmp_path)
     for _, name, job_id, _ in JOBS:
         record = json.loads((results / f"{name}-{job_id}" / "ran_in.json").read_text())
-        assert record == {"job": name, "id": job_id, "image": IMAGE, "image_digest": DIGEST}
+        assert record == {"job": name, "id": job_id, "image": IMAGE, "image_digest": DIGEST,
+                          "profile": {"name": "local", "busbw_gbs": 0.05, "gpus_per_node": 2}}
     made = write_report(results)
     parser = _Tables()
     parser.feed(Path(made["report"]).read_text())
@@ -83,3 +84,18 @@ def test_a_job_that_ran_in_another_image_is_named(tmp_path: Path) -> None:
     parser = _Tables()
     parser.feed(page)
     assert parser.tables["jobs"][1][-1] == older
+
+
+def test_nccl_is_judged_by_the_profile_its_job_was_rendered_for(tmp_path: Path) -> None:
+    """The NCCL job records its profile; the report judges by it and says so first, unless
+    asked for another (an H100 fabric is never judged by the sandbox's 0.05 GB/s unasked)."""
+    results = jobs_results(tmp_path)
+    recorded = write_report(results)["summary"]["nccl"]
+    assert recorded["judged_against"] == ("judged against profile local (0.05 GB/s expected), "
+                                          "as the NCCL job recorded it (recipes render "
+                                          "--profile)")
+    asked = write_report(results, profile=("dgx-h100", 360.0))["summary"]["nccl"]
+    assert asked["verdict"] == "FAIL" and asked["expected_busbw_gbs"] == 360.0
+    assert asked["judged_against"].startswith("judged against profile dgx-h100 (360 GB/s")
+    page = Path(write_report(results)["report"]).read_text()
+    assert "judged against profile local" in page
