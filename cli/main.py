@@ -64,6 +64,8 @@ LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
         "Plots and one HTML page of a BERT workflow's results."),
     "config": ("imgpipe.cli.config", "config",
         "The configuration imgpipe runs with, and where each key came from."),
+    "site": ("imgpipe.cli.site", "site",
+        "Set a site up: its config in /etc/imgpipe and its own cluster profile."),
 }
 
 

@@ -153,3 +153,72 @@ def pull(ctx: click.Context, name: str, output: Path) -> Result:
     target, paths = pull_recipes(settings_of(ctx), name, output)
     return Result({"target": str(target), "files": paths},
                   [f"pulled {target} into {output}:"] + [f"  {p.name}" for p in paths])
+
+
+@recipes.group(context_settings=CONTEXT)
+def profile() -> None:
+    """Cluster profiles: the shape of a site's nodes (GPUs, HCAs, cores, partition).
+
+    \b
+    Examples:
+      imgpipe recipes profile list
+      imgpipe recipes profile new h100-ours --from dgx-h100 -o /etc/imgpipe/profiles
+      imgpipe recipes profile check h100-ours      # on a compute node
+    """
+
+
+@profile.command(name="list", context_settings=CONTEXT)
+@reporting
+def profile_list(ctx: click.Context) -> Result:
+    """Every shipped profile and the site's own (recipes.profiles_dir)."""
+    from imgpipe.commands.profiles import known_profiles
+
+    known = known_profiles(settings_of(ctx))
+    width = max(len(name) for name, _ in known)
+    return Result({"profiles": [{"name": n, "description": d} for n, d in known]},
+                  [f"{name:<{width}}  {description}" for name, description in known])
+
+
+@profile.command(name="new", context_settings=CONTEXT)
+@click.argument("name")
+@click.option("--from", "base", default="dgx-h100", show_default=True,
+              help="The profile to start from.")
+@click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Folder for NAME.yaml [default: recipes.profiles_dir].")
+@reporting
+def profile_new(ctx: click.Context, name: str, base: str, output: Path | None) -> Result:
+    """Write NAME.yaml, a copy of another profile to edit for the site's nodes.
+
+    \b
+    Example:
+      imgpipe recipes profile new h100-ours --from dgx-h100 -o /etc/imgpipe/profiles
+    """
+    from imgpipe.commands.profiles import new_profile
+
+    path = new_profile(settings_of(ctx), name, base, output)
+    return Result({"profile": name, "path": str(path)},
+                  [f"wrote {path}: edit it, then run `imgpipe recipes profile check {name}` "
+                   "on a compute node"])
+
+
+@profile.command(name="check", context_settings=CONTEXT)
+@click.argument("name")
+@reporting
+def profile_check(ctx: click.Context, name: str) -> Result:
+    """Compare profile NAME with the node this runs on: Slurm's partitions (sinfo),
+    InfiniBand devices (/sys/class/infiniband), GPUs (nvidia-smi) and cores.  Exits 1 when
+    anything differs, naming each mismatch.
+
+    \b
+    Example:
+      srun -N1 -p gpu imgpipe recipes profile check h100-ours
+    """
+    from imgpipe.commands.profiles import check_profile
+
+    checked = check_profile(settings_of(ctx), name)
+    lines = [f"mismatch: {line}" for line in checked.mismatches]
+    lines += [f"ok: {line}" for line in checked.matched]
+    lines += [f"not checked: {line}" for line in checked.unchecked]
+    lines.append(f"profile {name}: " + ("matches this node" if checked.ok else
+                                        f"{len(checked.mismatches)} mismatch(es)"))
+    return Result(asdict(checked) | {"ok": checked.ok}, lines, ok=checked.ok)

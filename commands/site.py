@@ -1,0 +1,119 @@
+"""`imgpipe site init`: a site's config and its own cluster profile, in one command.
+
+What an admin of an existing cluster answers once: the head-node registry (with TLS, the site's
+CA), the flavor jobs run (ngc), where squashfs files go, the partition and the data paths, and
+the nodes' shape.  Written as ``/etc/imgpipe/imgpipe.yaml`` (the site's layer, root's, 0644)
+and ``/etc/imgpipe/profiles/NAME.yaml``; both are checked by the same models every command
+reads them with before anything is written, and an existing file is never overwritten unasked.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from imgpipe.base.config import SITE_CONFIG, parse_settings
+from imgpipe.base.errors import ConfigError
+from imgpipe.base.files import atomic_write
+from imgpipe.commands.nccl import site_profile
+from imgpipe.commands.profiles import NAME, profile_text
+from imgpipe.recipes.profiles import Profile
+
+__all__ = ["SiteAnswers", "init_site"]
+
+
+@dataclass(frozen=True)
+class SiteAnswers:
+    registry: str  # HOST[:PORT]
+    squashfs_dir: Path
+    partition: str
+    data_root: Path  # data, checkpoints, results, sources and the vocabulary below it
+    ca_file: Path | None = None  # the registry's CA: https; None with plain_http
+    plain_http: bool = False
+    flavor: str = "ngc"
+    profile: str = "site"
+    base_profile: str = "dgx-h100"
+    gpus_per_node: int | None = None
+    hcas: list[str] | None = None
+    cores_per_node: int | None = None
+    gpu_memory_gb: int | None = None
+    busbw_gbs: float | None = None
+    config: Path = SITE_CONFIG
+    overwrite: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+def _registry(answers: SiteAnswers) -> dict[str, object]:
+    host, _, port = answers.registry.rpartition(":") if ":" in answers.registry else (
+        answers.registry, "", "5000")
+    if not port.isdigit():
+        raise ConfigError(f"--registry {answers.registry}: say HOST or HOST:PORT")
+    if answers.ca_file is None and not answers.plain_http:
+        raise ConfigError("the registry's TLS CA is needed (--registry-ca FILE)",
+                          hint="or --plain-http, which needs ENROOT_ALLOW_HTTP on every node: "
+                          "it switches every registry, nvcr.io too, to http")
+    values: dict[str, object] = {"host": host, "port": int(port),
+                                 "scheme": "http" if answers.plain_http else "https"}
+    if answers.ca_file is not None:
+        if not answers.ca_file.is_file():
+            raise ConfigError(f"--registry-ca {answers.ca_file}: no such file")
+        values["ca_file"] = str(answers.ca_file.resolve())
+    return values
+
+
+def site_config(answers: SiteAnswers) -> dict[str, object]:
+    data = answers.data_root
+    return {
+        "registry": _registry(answers),
+        "default_flavor": answers.flavor,
+        "outputs": {"squashfs_dir": str(answers.squashfs_dir)},
+        "recipes": {"profiles_dir": str(answers.config.parent / "profiles"),
+                    "partition": answers.partition,
+                    "data_dir": str(data / "data"), "checkpoint_dir": str(data / "checkpoints"),
+                    "results_dir": str(data / "results"), "dataset_source": str(data / "source"),
+                    "vocab": str(data / "vocab.txt")},
+    }
+
+
+def site_profile_of(answers: SiteAnswers, base: Profile) -> Profile:
+    changes: dict[str, object] = {"name": answers.profile, "partition": answers.partition,
+                                  "description": f"this site's nodes (from {base.name})"}
+    for key, value in (("gpus_per_node", answers.gpus_per_node), ("hcas", answers.hcas),
+                       ("cores_per_node", answers.cores_per_node),
+                       ("busbw_gbs", answers.busbw_gbs)):
+        if value is not None:
+            changes[key] = value
+    if answers.gpu_memory_gb is not None:
+        changes["gpu"] = base.gpu.model_copy(update={"memory_gb": answers.gpu_memory_gb})
+    return Profile.model_validate(base.model_copy(update=changes).model_dump())
+
+
+def init_site(answers: SiteAnswers) -> list[Path]:
+    """Write the site config and profile (both validated first); the paths written."""
+    if not NAME.fullmatch(answers.profile):
+        raise ConfigError(f"--profile-name {answers.profile!r}: use lower-case letters, "
+                          "digits, '.', '_' and '-'")
+    config = answers.config
+    profile_path = config.parent / "profiles" / f"{answers.profile}.yaml"
+    for path in (config, profile_path):
+        if path.exists() and not answers.overwrite:
+            raise ConfigError(f"{path} exists already", hint="edit it, or pass --force")
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
+    text = (f"# The site's imgpipe config, written by `imgpipe site init` on {stamp}.\n"
+            "# Every key: docs/reference/configuration.md; check: imgpipe config show --origin\n"
+            + yaml.safe_dump(site_config(answers), sort_keys=False))
+    from imgpipe.base.config import Settings  # the shipped defaults, for the base profile
+
+    profile = site_profile_of(answers, site_profile(Settings(), answers.base_profile))
+    staged = config.with_name(f".{config.name}.check")
+    staged.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        staged.write_text(text)
+        parse_settings(staged)  # the same model every command reads it with
+    finally:
+        staged.unlink(missing_ok=True)
+    return [atomic_write(profile_path, profile_text(profile), mode=0o644),
+            atomic_write(config, text, mode=0o644)]

@@ -1,0 +1,73 @@
+"""A site in one command: `imgpipe site init` writes a config and a profile every command
+reads back; `recipes profile new` copies one to edit; `recipes profile check` names each way
+a profile differs from the node."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from imgpipe.base.config import load_settings
+from imgpipe.recipes.profilecheck import NodeFacts, check
+from imgpipe.recipes.profiles import load_profile
+
+
+def test_site_init_writes_a_config_and_profile_that_load(cli, tmp_path: Path) -> None:
+    ca = tmp_path / "site-ca.crt"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    config = tmp_path / "etc" / "imgpipe.yaml"
+    code, out, err = cli("site", "init", "--registry", "head:5443", "--registry-ca", str(ca),
+                         "--squashfs-dir", "/lustre/imgpipe/sq", "--partition", "gpu",
+                         "--data-root", "/lustre/bert", "--from", "dgx-a100", "--hcas",
+                         "mlx5_0,mlx5_1", "--gpus-per-node", "4", "--cores-per-node", "64",
+                         "--config", str(config))
+    assert code == 0, out + err
+    settings = load_settings(cwd=tmp_path, site=config)
+    assert settings.registry.url == "https://head:5443" and settings.registry.ca_file == ca
+    assert settings.default_flavor == "ngc" and settings.recipes.partition == "gpu"
+    assert settings.recipes.results_dir == "/lustre/bert/results"
+    profile = load_profile("site", settings.recipes.profiles_dir)
+    assert (profile.gpus_per_node, profile.hcas, profile.cores_per_node, profile.partition) == (
+        4, ["mlx5_0", "mlx5_1"], 64, "gpu")
+    assert profile.gpu.model == "A100-SXM4-80GB"
+    code, out, err = cli("site", "init", "--registry", "head", "--plain-http", "--squashfs-dir",
+                         "/x", "--partition", "p", "--data-root", "/d", "--config", str(config))
+    assert code == 2 and f"{config} exists already" in err and "--force" in err
+
+
+def test_site_init_asks_for_tls_or_says_what_plain_http_costs(cli, tmp_path: Path) -> None:
+    code, _, err = cli("site", "init", "--registry", "head", "--squashfs-dir", "/x",
+                       "--partition", "p", "--data-root", "/d", "--config",
+                       str(tmp_path / "c.yaml"))
+    assert code == 2 and "--registry-ca FILE" in err and "ENROOT_ALLOW_HTTP" in err
+    assert not (tmp_path / "c.yaml").exists()
+
+
+def test_profile_new_copies_one_to_edit(cli, tmp_path: Path) -> None:
+    code, out, err = cli("recipes", "profile", "new", "ours", "--from", "dgx1", "-o",
+                         str(tmp_path / "profiles"))
+    assert code == 0, out + err
+    written = yaml.safe_load((tmp_path / "profiles" / "ours.yaml").read_text())
+    assert written["name"] == "ours" and written["hcas"] == load_profile("dgx1").hcas
+    assert load_profile("ours", tmp_path / "profiles").gpus_per_node == 8
+    code, _, err = cli("recipes", "profile", "new", "ours", "-o", str(tmp_path / "profiles"))
+    assert code == 2 and "exists already" in err
+
+
+def test_profile_check_names_each_mismatch() -> None:
+    h100 = load_profile("dgx-h100")
+    node = NodeFacts(partitions=["debug", "gpu"], hcas=["mlx5_0", "mlx5_1", "mlx5_2"],
+                     gpus=[("NVIDIA H100 80GB HBM3", 81559)] * 4, cores=112)
+    found = check(h100, node)
+    assert not found.ok
+    assert "partition: the profile says batch, sinfo lists debug, gpu" in found.mismatches
+    assert any(line.startswith("hcas: the profile names mlx5_3, mlx5_4") for line in
+               found.mismatches)
+    assert "gpus_per_node: the profile says 8, nvidia-smi lists 4" in found.mismatches
+    assert "cores_per_node: 112" in found.matched
+    same = NodeFacts(partitions=["batch"], hcas=sorted(h100.hcas),
+                     gpus=[("NVIDIA H100 80GB HBM3", 81559)] * 8, cores=112)
+    assert check(h100, same).ok
+    unknown = check(h100, NodeFacts(None, None, None, 112))
+    assert unknown.ok and len(unknown.unchecked) == 3
