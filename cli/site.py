@@ -65,8 +65,8 @@ def init(ctx: click.Context, registry: str | None, registry_ca: Path | None, pla
     """
     from imgpipe.commands.site import SiteAnswers, init_site
 
-    given = {"registry": registry, "squashfs_dir": squashfs_dir, "partition": partition,
-             "data_root": data_root}
+    given: dict[str, object] = {"registry": registry, "squashfs_dir": squashfs_dir,
+                                "partition": partition, "data_root": data_root}
     for key, what in REQUIRED.items():
         if given[key] is None and sys.stdin.isatty():
             given[key] = click.prompt(what.capitalize(),
