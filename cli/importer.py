@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from imgpipe.commands.importer import fast_get, get, record_step, release
+from imgpipe.commands.importer import fast_get, get, is_foreign, record_step, release
 
 USAGE = "usage: imgpipe-pyxis-importer get URI | release"
 
@@ -29,8 +29,13 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if len(args) == 2 and args[0] == "get":
-            path = fast_get(args[1]) or get(args[1])
-            record_step(path)
+            if is_foreign(args[1]):  # another registry's image: as Pyxis alone would
+                from imgpipe.commands.foreign import enroot_get
+
+                path = enroot_get(args[1])
+            else:
+                path = fast_get(args[1]) or get(args[1])
+                record_step(path)
             print(path, flush=True)
             return 0
     except ImgpipeError as exc:

@@ -34,6 +34,8 @@ SITE_CONFIG = "/etc/imgpipe/imgpipe.yaml"
 # The defaults of imgpipe.base.config that the fast path reads (a test keeps them equal).
 DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SCHEME = "127.0.0.1", 5000, "http"
 DEFAULT_SQUASHFS_DIR = "build/squashfs"
+DOCKER_HUB = "registry-1.docker.io"
+IMPORTED = "imported-by-enroot"  # a step record's first line for another registry's image
 
 
 def _record_dir() -> str:
@@ -190,6 +192,28 @@ def _platform_entry(scheme: str, address: str, repository: str, digest: str) -> 
     return None
 
 
+def is_foreign(uri: str) -> bool:
+    """Whether ``uri`` names an image of a registry other than imgpipe's."""
+    from imgpipe.registry.errors import ReferenceFormatError
+    from imgpipe.registry.reference import Reference
+
+    quick = _quick()
+    if quick is None:
+        from pathlib import Path
+
+        from imgpipe.base.config import Settings, parse_settings
+
+        path = _config_file()
+        settings = parse_settings(Path(path)) if path else Settings()
+        address = settings.registry.address
+    else:
+        address = str(quick["address"])
+    try:  # a reference that names no registry is Docker Hub's, as Enroot reads it
+        return Reference.parse(uri, default_registry=DOCKER_HUB).registry != address
+    except ReferenceFormatError:
+        return False  # not a reference at all: the full path says so in its one line
+
+
 def fast_get(uri: str) -> Path | None:
     """The squashfs of an already converted image, or None to take the full path."""
     from imgpipe.enroot.cache.storage import Storage
@@ -287,12 +311,18 @@ def record_step(squashfs: Path) -> None:
     cache = Storage(squashfs.parent, CacheTrust.of(quick.get("cache_owner")))
     marker = record_use(cache, squashfs, os.environ.get("SLURM_JOB_ID", "nojob"),
                         os.environ.get("SLURM_STEP_ID", "nostep"))
+    write_record([str(cache.uses.resolve()), marker.name])
+
+
+def write_record(lines: list[str]) -> None:
+    """This step's record (what release undoes), in a file only this user reads, never
+    written through a link."""
     record = _step_record()
     with contextlib.suppress(FileNotFoundError):
         os.unlink(record)
     fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as handle:
-        handle.write(f"{cache.uses.resolve()}\n{marker.name}\n")
+        handle.write("".join(f"{line}\n" for line in lines))
 
 
 def release() -> None:
@@ -313,7 +343,13 @@ def release() -> None:
         lines = handle.read(8192).splitlines()
     quick = _quick() or {}
     configured = quick.get("squashfs_dir")
-    if len(lines) == 2 and configured is not None:
+    if len(lines) == 2 and lines[0] == IMPORTED:  # an image of another registry: its file
+        path = lines[1]
+        if os.path.dirname(path) == _record_dir() and os.path.basename(path).startswith(
+                "import.") and os.lstat(path).st_uid == os.getuid():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+    elif len(lines) == 2 and configured is not None:
         uses, name = lines
         mine = f"~{os.getuid()}~"
         expected = os.path.join(os.path.realpath(configured), ".imgpipe", "uses")

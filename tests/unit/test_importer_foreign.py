@@ -1,0 +1,72 @@
+"""With `importer=` in plugstack.conf Pyxis sends every image to imgpipe's importer: another
+registry's image (nvcr.io, Docker Hub) is imported as Pyxis does without one, by `enroot
+import` with the job's own Enroot settings, and release removes the file.  Enroot is not
+packaged here: a stand-in records how it was called (the real one was checked by hand)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ENROOT = """#!/bin/sh
+echo "$@" > "$RECORD"
+echo "config=$ENROOT_CONFIG_PATH" >> "$RECORD"
+[ "$1 $2" = "import --output" ] || exit 2
+[ -e "$3" ] && { echo "enroot: $3 exists" >&2; exit 1; }
+printf hsqs > "$3"
+"""
+
+
+def _importer(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    config = tmp_path / "imgpipe.yaml"
+    config.write_text("registry: {host: head, port: 5000}\n")
+    (tmp_path / "bin").mkdir(exist_ok=True)
+    enroot = tmp_path / "bin" / "enroot"
+    if not enroot.exists():
+        enroot.write_text(ENROOT)
+        enroot.chmod(0o755)
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700, exist_ok=True)
+    env = {**os.environ, "IMGPIPE_CONFIG": str(config), "XDG_RUNTIME_DIR": str(runtime),
+           "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "RECORD": str(tmp_path / "rec"),
+           "ENROOT_CONFIG_PATH": "/home/alice/.config/enroot", "SLURM_JOB_ID": "7",
+           "SLURM_STEP_ID": "0"}
+    script = Path(sys.executable).parent / "imgpipe-pyxis-importer"
+    return subprocess.run([str(script), *args], capture_output=True, text=True, env=env,
+                          timeout=60)
+
+
+def test_another_registrys_image_is_imported_by_enroot_and_released(tmp_path: Path) -> None:
+    for uri in ("docker://nvcr.io#nvidia/pytorch:25.01-py3", "docker://ubuntu:22.04"):
+        done = _importer(tmp_path, "get", uri)
+        assert done.returncode == 0, done.stderr
+        path = Path(done.stdout.strip())
+        assert path.parent == tmp_path / "run" and path.read_bytes() == b"hsqs"
+        called = (tmp_path / "rec").read_text().splitlines()
+        assert called == [f"import --output {path} {uri}",
+                          "config=/home/alice/.config/enroot"]  # the job's own settings
+        assert _importer(tmp_path, "release").returncode == 0
+        assert not path.exists()
+
+
+def test_a_failed_enroot_import_is_one_line(tmp_path: Path) -> None:
+    done = _importer(tmp_path, "get", "docker://nvcr.io#nvidia/pytorch")
+    assert Path(done.stdout.strip()).exists()  # not released: a retry of the step replaces it
+    again = _importer(tmp_path, "get", "docker://nvcr.io#nvidia/pytorch")
+    assert again.returncode == 0, again.stderr
+    (tmp_path / "bin" / "enroot").write_text("#!/bin/sh\necho 'enroot: [ERROR] URL "
+                                            "https://nvcr.io returned error code: 401' >&2\n"
+                                            "exit 1\n")
+    failed = _importer(tmp_path, "get", "docker://nvcr.io#nvidia/private")
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr
+    assert failed.stderr.count("\n") == 1 and "returned error code: 401" in failed.stderr
+
+
+def test_only_imgpipes_registry_is_imgpipes() -> None:
+    from imgpipe.commands.importer import DOCKER_HUB
+    from imgpipe.registry.reference import Reference
+
+    assert Reference.parse("docker://ubuntu", default_registry=DOCKER_HUB).registry == \
+        DOCKER_HUB
