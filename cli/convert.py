@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+from pathlib import Path
+
 import click
 
 from imgpipe.base.config import deprecated
@@ -105,11 +108,28 @@ convert_command.name = "convert"
               "by root or the service account, never by a job user.  Idempotent.")
 @click.option("--group", default=None, metavar="NAME", help="With --make-cache: a group of "
               "every job user; the folder is then 3775 instead of 1777.")
+@click.option("--check", "check", is_flag=True, help="Read this node's own files "
+              "(plugstack.conf, enroot.conf, Pyxis, the importer link, /etc/imgpipe) and print "
+              "only what imgpipe needs there, as a diff; lines that would change the site's "
+              "existing jobs are marked.")
+@click.option("--apply", "apply", is_flag=True, help="As root: write imgpipe's own files that "
+              "--check found missing (the site config, the importer link, a Pyxis line where "
+              "there is none), keeping a backup of each file replaced.  Idempotent.")
+@click.option("--accept", type=click.Choice(["importer"]), multiple=True,
+              help="With --apply: also make this change to the site's own file "
+              "(importer: add importer= to the site's Pyxis line).")
+@click.option("--site-config", type=click.Path(dir_okay=False, exists=True, path_type=Path),
+              default=None, help="With --check/--apply: the site config the node should "
+              "have in /etc/imgpipe/imgpipe.yaml.")
+@click.option("--root", "node_root", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("/"), show_default=True,
+              help="With --check/--apply: the node's root (a node image, a chroot).")
 @reporting
 def node_config(ctx: click.Context, pyxis_version: tuple[int, int, int] | None,
                 pyxis_plugin: str | None,
                 enroot_path: str | None, importer: str | None, no_squashfuse: bool,
-                make_cache: str | None, group: str | None) -> Result:
+                make_cache: str | None, group: str | None, check: bool, apply: bool,
+                accept: tuple[str, ...], site_config: Path | None, node_root: Path) -> Result:
     """Print what compute nodes need: enroot.conf, plugstack.conf and install lines.
 
     The plugstack line follows the nodes' Pyxis: importer= only for 0.21 and newer
@@ -124,6 +144,8 @@ def node_config(ctx: click.Context, pyxis_version: tuple[int, int, int] | None,
     """
     if make_cache is not None:
         return _make_cache(ctx, make_cache, group)
+    if check or apply:
+        return _check_or_apply(ctx, apply, frozenset(accept), site_config, node_root)
     rendered = node_setup(settings_of(ctx), pyxis_version, pyxis_plugin, enroot_path, importer,
                           squashfuse=not no_squashfuse)
     text = rendered.enroot_conf + "\n" + rendered.plugstack_conf + "\n" + rendered.install
@@ -136,6 +158,34 @@ def node_config(ctx: click.Context, pyxis_version: tuple[int, int, int] | None,
                    "pyxis_version": rendered.pyxis_version,
                    "notes": rendered.notes,
                    "importer": rendered.importer_path}, text.rstrip("\n").splitlines())
+
+
+def _check_or_apply(ctx: click.Context, apply: bool, accept: frozenset[str],
+                    site_config: Path | None, root: Path) -> Result:
+    from imgpipe.commands.nodecheck import apply_node, check_node
+
+    settings = settings_of(ctx)
+    done = apply_node(settings, root, site_config, accept) if apply else None
+    checked = check_node(settings, root, site_config)
+    lines = []
+    for finding in checked.findings:
+        whose = "imgpipe's" if finding.ours else "the site's"
+        lines.append(f"{finding.file} ({whose}): {finding.verdict}")
+        lines += [f"  {line}" for line in finding.diff]
+        if finding.affects and finding.verdict != "ok":
+            lines.append(f"  ! changes existing jobs: {finding.affects}")
+            if finding.safer:
+                lines.append(f"  ! safer: {finding.safer}")
+    if done is not None:
+        lines += done or ["nothing to do: the node has what imgpipe needs"]
+    else:
+        need = [f for f in checked.needed if f.ours]
+        lines.append(f"{len(need)} of imgpipe's own files to write (imgpipe node-config "
+                     "--apply)" if need else "imgpipe's own files are in place")
+    data = {"findings": [asdict(f) for f in checked.findings],
+            "pyxis": {"plugin": checked.pyxis[0], "version": ".".join(map(str, checked.pyxis[1]))}
+            if checked.pyxis else None, "applied": done}
+    return Result(data, lines)
 
 
 def _make_cache(ctx: click.Context, folder: str, group: str | None) -> Result:

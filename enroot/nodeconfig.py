@@ -52,6 +52,7 @@ class NodeConfig:
     install: str
     pyxis_version: str | None
     notes: list[str]
+    changes: list[Change]
 
 
 def parse_version(text: str) -> Version:
@@ -111,39 +112,49 @@ def takes_digests(version: Version | None) -> bool:
     return version is None or version >= DIGEST_REFERENCES_SINCE
 
 
-def _enroot_conf(settings: Settings, mounting: bool) -> list[str]:
-    """The enroot.conf lines."""
-    registry = settings.registry
-    # Files Enroot makes itself: smallest (zstd) when jobs unpack them, fastest to read
-    # through FUSE (lz4) when jobs mount them (bench/bench_squashfuse.py).
-    squash_options = "-comp lz4" if mounting else "-comp zstd -Xcompression-level 3"
-    lines = [
-        "# /etc/enroot/enroot.conf (lines for imgpipe's head-node registry)",
-        "ENROOT_RUNTIME_PATH /run/enroot/user-$(id -u)",
-        "ENROOT_CACHE_PATH /var/lib/enroot-cache/group-$(id -g)",
-        "ENROOT_DATA_PATH /tmp/enroot-data/user-$(id -u)",
-        "ENROOT_MOUNT_HOME no",
-        f"ENROOT_SQUASH_OPTIONS {squash_options}",
-        "ENROOT_CONFIG_PATH /etc/enroot",
-        "# Containers start through a login shell (ENROOT_LOGIN_SHELL yes, the default).",
-        "# imgpipe's images keep their PATH in /etc/profile.d, so they work either way; for",
-        "# images whose /etc/profile resets PATH (Debian's does) and drops their tools, set:",
-        "#ENROOT_LOGIN_SHELL no",
-    ]
-    if registry.scheme == "http":
-        lines.append("# The registry speaks plain HTTP; this switches every registry to http.")
-        lines.append("ENROOT_ALLOW_HTTP yes")
-    elif registry.ca_file:
-        ca = settings.path(registry.ca_file).resolve()
-        lines.append(f"SSL_CERT_FILE {ca}")
+@dataclass(frozen=True)
+class Change:
+    """One line a node may need: where it goes, whose file that is, and what it does to the
+    jobs a cluster already runs."""
 
-    return lines
+    file: str
+    line: str
+    ours: bool  # imgpipe's own file (node-config --apply writes it) or the site's (shown)
+    needed: bool  # imgpipe needs it; False: an option the site may take
+    affects: str = ""  # how it changes existing users' jobs ("" when it does not)
+    safer: str = ""  # the choice that leaves them as they are
+
+
+PLUGSTACK_FILE = "/etc/slurm/plugstack.conf.d/pyxis.conf"
+ENROOT_CONF = "/etc/enroot/enroot.conf"
+SITE_CONFIG_FILE = "/etc/imgpipe/imgpipe.yaml"
+IMPORTER_AFFECTS = ("every job's --container-image then goes through imgpipe's importer: "
+                    "imgpipe's registry's images from the shared cache, every other "
+                    "registry's (nvcr.io, Docker Hub) imported by enroot exactly as before")
+
+
+def _registry_lines(settings: Settings) -> list[Change]:
+    """What Enroot would need to pull imgpipe's images itself.  The importer fetches them on
+    its own (imgpipe's TLS and credentials), so none of it is needed where importer= is."""
+    registry = settings.registry
+    if registry.scheme == "http":
+        return [Change(ENROOT_CONF, "ENROOT_ALLOW_HTTP yes", False, False,
+                       "switches every registry Enroot pulls from, nvcr.io too, to http",
+                       "not needed with importer=; else give the registry TLS "
+                       "(imgpipe site init --registry-ca)")]
+    if registry.ca_file:
+        ca = settings.path(registry.ca_file).resolve()
+        return [Change(ENROOT_CONF, f"SSL_CERT_FILE {ca}", False, False,
+                       "replaces the CA bundle Enroot trusts for every registry",
+                       f"not needed with importer=; else add {ca} to the system's bundle "
+                       "(update-ca-certificates), which keeps the public CAs")]
+    return []
 
 
 def _pyxis_options(settings: Settings, importer_path: str, pyxis_version: Version | None,
                    enroot_path: str | None, squashfuse: bool, mounting: bool,
                    notes: list[str]) -> list[str]:
-    """Pyxis's plugstack options for this node; what the site should know goes to ``notes``."""
+    """Pyxis's plugstack options for a node without a Pyxis line yet; notes for the site."""
     options = ["runtime_path=/run/pyxis"]
     if pyxis_version is None:
         notes.append("Pyxis version unknown (no spank_pyxis.so found; pass --pyxis-version): "
@@ -163,8 +174,6 @@ def _pyxis_options(settings: Settings, importer_path: str, pyxis_version: Versio
                      "cleanup (PATH=/usr/local/bin:/usr/bin:/bin) fail and drain the node")
     options.append("sbatch_support=1")
     if mounting and pyxis_version is not None:
-        # Pyxis then mounts the squashfs (squashfuse + overlayfs) instead of unpacking it
-        # with `enroot create`: a 1.2 GB image starts in 0.4 s instead of 30 s.
         options.append("use_squashfuse=1")
         if pyxis_version < SQUASHFUSE_IMPORTER_SINCE:
             notes.append(f"Pyxis {_show(pyxis_version)}: use_squashfuse applies to squashfs "
@@ -180,44 +189,60 @@ def _pyxis_options(settings: Settings, importer_path: str, pyxis_version: Versio
     return options
 
 
+def install_lines(squashfs: Path) -> list[str]:
+    """Getting imgpipe onto a node: a wheel built from the checkout, never a package index."""
+    return [
+        "# Once, on the build host, in imgpipe's checkout: the wheel and what it needs.",
+        "python3 -m pip wheel --no-deps -w dist . && python3 -m pip download -d dist/deps \\",
+        "    dist/imgpipe-*.whl",
+        "# On every compute node (a venv of the system Python: Pyxis runs the importer as the",
+        "# job's user, and a venv under root's home is not executable by others):",
+        f"python3 -m venv {SYSTEM_VENV} && {SYSTEM_VENV}/bin/pip install --no-index \\",
+        "    --find-links dist/deps dist/imgpipe-*.whl",
+        f"{SYSTEM_VENV}/bin/imgpipe node-config --check    # what this node has and lacks",
+        f"{SYSTEM_VENV}/bin/imgpipe node-config --apply    # imgpipe's own files only",
+        "# The shared squashfs folder, its layout root's (or enroot.cache_owner's):",
+        f"{SYSTEM_VENV}/bin/imgpipe node-config --make-cache {squashfs}",
+    ]
+
+
 def render(settings: Settings, importer_path: str, pyxis_version: Version | None = None,
            pyxis_so: str = PYXIS_SO_CANDIDATES[0], enroot_path: str | None = None,
            squashfuse: bool = True) -> NodeConfig:
-    registry = settings.registry
+    """What a node needs, for a node without a Pyxis line yet (``check`` compares with a
+    node's own files).  Only imgpipe's own files are needed; lines that would change the
+    site's Enroot for every user are options, marked."""
     squashfs = settings.path(settings.outputs.squashfs_dir).resolve()
     notes: list[str] = []
     mounting = squashfuse and pyxis_version is not None and pyxis_version >= SQUASHFUSE_SINCE
-    lines = _enroot_conf(settings, mounting)
     options = _pyxis_options(settings, importer_path, pyxis_version, enroot_path, squashfuse,
                              mounting, notes)
-    plugstack = [
-        "# /etc/slurm/plugstack.conf.d/pyxis.conf"
-        + (f" (Pyxis {_show(pyxis_version)})" if pyxis_version else ""),
-        f"required {pyxis_so} {' '.join(options)}",
-        *[f"# note: {note}" for note in notes],
+    changes = [
+        Change(SITE_CONFIG_FILE, "(the site config, from imgpipe site init)", True, True),
+        Change(importer_path, f"-> {SYSTEM_VENV}/bin/imgpipe-pyxis-importer", True, True),
+        Change(PLUGSTACK_FILE, f"required {pyxis_so} {' '.join(options)}", False, True,
+               IMPORTER_AFFECTS if any(o.startswith("importer=") for o in options) else "",
+               "without importer=, the recipes pin squashfs paths (imgpipe convert on the "
+               "login node) and nothing of Pyxis changes"),
+        *_registry_lines(settings),
     ]
+    enroot = [f"# option, {c.affects} ({c.safer}):\n#{c.line}" for c in changes
+              if c.file == ENROOT_CONF]
+    plugstack = [f"# {PLUGSTACK_FILE}"
+                 + (f" (Pyxis {_show(pyxis_version)})" if pyxis_version else ""),
+                 f"required {pyxis_so} {' '.join(options)}",
+                 *[f"# note: {note}" for note in notes]]
+    registry = settings.registry
     credentials = [
-        "# /etc/enroot/.credentials (netrc; the port is stripped when matching)",
-        f"machine {registry.host} login <user> password <password>",
+        "# The job user's own credentials for imgpipe's registry: the importer reads",
+        f"# registry.credentials ({registry.credentials.source}); Enroot's are not touched.",
     ] if registry.credentials.source != "none" else []
-    install = [
-        "# On every compute node: imgpipe where every job user can execute it (Pyxis runs",
-        "# the importer as the job's user; a venv under root's home is not executable by",
-        "# others), and the same site config and shared squashfs folder.",
-        f"python3 -m venv {SYSTEM_VENV} && {SYSTEM_VENV}/bin/pip install imgpipe",
-        f"ln -sf {SYSTEM_VENV}/bin/imgpipe-pyxis-importer /usr/local/bin/",
-        "install -D -m 0644 imgpipe.yaml /etc/imgpipe/imgpipe.yaml",
-        "# The per-user Enroot folders of the enroot.conf lines above live under these:",
-        "install -d -m 1777 /run/enroot /var/lib/enroot-cache /tmp/enroot-data",
-        "# The shared squashfs folder: every user's jobs create lock files and may convert,",
-        "# so it is world-writable with the sticky bit (or 3775 with --group), and its layout",
-        "# belongs to root (or enroot.cache_owner), never to the first job user to run:",
-        f"imgpipe node-config --make-cache {squashfs}",
-    ]
-    return NodeConfig("\n".join(lines) + "\n", "\n".join(plugstack) + "\n",
+    enroot_text = ["# /etc/enroot/enroot.conf: nothing is needed (the importer fetches from "
+                   "imgpipe's registry itself)", *enroot]
+    return NodeConfig("\n".join(enroot_text) + "\n", "\n".join(plugstack) + "\n",
                       "\n".join(credentials) + ("\n" if credentials else ""),
-                      importer_path, "\n".join(install) + "\n",
-                      _show(pyxis_version) if pyxis_version else None, notes)
+                      importer_path, "\n".join(install_lines(squashfs)) + "\n",
+                      _show(pyxis_version) if pyxis_version else None, notes, changes)
 
 
 def _show(version: Version) -> str:

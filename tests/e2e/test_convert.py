@@ -364,16 +364,17 @@ def test_node_config(convert_cli, tmp_path) -> None:
     code, out, _ = convert_cli("node-config", "--json")
     data = json.loads(out)["data"]
     assert code == 0
-    assert "ENROOT_ALLOW_HTTP yes" in data["enroot_conf"]
+    assert "#ENROOT_ALLOW_HTTP yes" in data["enroot_conf"]  # an option, marked
     assert "importer=" in data["plugstack_conf"] and "spank_pyxis.so" in data["plugstack_conf"]
     ca = tmp_path / "ca.pem"
     ca.write_text("x")
     convert_cli.write_config({"registry": {"scheme": "https", "ca_file": str(ca),
                                            "credentials": {"source": "netrc"}}})
     data = json.loads(convert_cli("node-config", "--json")[1])["data"]
-    assert f"SSL_CERT_FILE {ca}" in data["enroot_conf"]
+    assert f"#SSL_CERT_FILE {ca}" in data["enroot_conf"]
+    assert "update-ca-certificates" in data["enroot_conf"]
     assert "ENROOT_ALLOW_HTTP" not in data["enroot_conf"]
-    assert "machine 127.0.0.1 login" in data["credentials"]
+    assert "registry.credentials (netrc)" in data["credentials"]
 
 
 def test_a_broken_catalog_does_not_block_converting_a_reference(convert_cli,
