@@ -63,7 +63,9 @@ class _Strict(BaseModel):
 class CredentialsConfig(_Strict):
     """Where registry credentials come from; the file holds them, never imgpipe.yaml."""
 
-    source: Literal["none", "docker-config", "netrc"] = "none"
+    source: Literal["none", "docker-config", "netrc"] = Field(
+        default="none", description="where the login for the registry is read: none, the "
+        "user's docker config.json, or a netrc file")
     file: Path | None = Field(
         default=None,
         description="docker config.json or netrc path; default ~/.docker/config.json or ~/.netrc",
@@ -76,27 +78,40 @@ class CredentialsConfig(_Strict):
 class ServerConfig(_Strict):
     """How `imgpipe registry up` runs the head node's registry."""
 
-    mode: Literal["auto", "container", "binary"] = "auto"
-    image: str = "registry:2"
-    container_name: str = "imgpipe-registry"
-    bind: str = "127.0.0.1"
-    data_dir: Path = Path("build/registry/data")
-    state_dir: Path = Path("build/registry")
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
-    htpasswd: Path | None = None
+    mode: Literal["auto", "container", "binary"] = Field(
+        default="auto", description="run the registry as a registry:2 container or as Debian's "
+        "docker-registry binary; auto: the container when the engine has the image")
+    image: str = Field(default="registry:2", description="the container image of the registry")
+    container_name: str = Field(default="imgpipe-registry",
+                                description="the registry container's name")
+    bind: str = Field(default="127.0.0.1", description="the address the registry listens on "
+                      "(0.0.0.0 on a head node that serves compute nodes)")
+    data_dir: Path = Field(default=Path("build/registry/data"),
+                           description="where the registry keeps its blobs and manifests")
+    state_dir: Path = Field(default=Path("build/registry"),
+                            description="the registry's config, pid and log files")
+    tls_cert: Path | None = Field(default=None, description="the TLS certificate it serves "
+                                  "(with tls_key: https)")
+    tls_key: Path | None = Field(default=None, description="the TLS certificate's key")
+    htpasswd: Path | None = Field(default=None, description="an htpasswd file: the registry "
+                                  "then asks for a login (Basic auth, over TLS)")
 
 
 class RegistryConfig(_Strict):
     """The registry imgpipe pushes to and reads from."""
 
-    host: str = "127.0.0.1"
-    port: int = Field(default=5000, ge=1, le=65535)
-    scheme: Literal["http", "https"] = "http"
-    ca_file: Path | None = None
+    host: str = Field(default="127.0.0.1", description="the registry's host name as jobs "
+                      "and image references write it (the head node)")
+    port: int = Field(default=5000, ge=1, le=65535, description="the registry's port")
+    scheme: Literal["http", "https"] = Field(default="http", description="https for a "
+                                             "registry with TLS (a cluster's); http for one "
+                                             "machine")
+    ca_file: Path | None = Field(default=None, description="the CA certificate that signed "
+                                 "the registry's (a site CA); default: the system's")
     credentials: CredentialsConfig = CredentialsConfig()
     server: ServerConfig = ServerConfig()
-    connect_timeout_s: float = Field(default=5.0, gt=0, le=600)
+    connect_timeout_s: float = Field(default=5.0, gt=0, le=600,
+                                     description="give up connecting after this long")
     read_timeout_s: float = Field(default=20.0, gt=0, le=3600,
                                   description="give up after this much silence")
 
@@ -118,15 +133,22 @@ class RegistryConfig(_Strict):
 
 
 class OutputsConfig(_Strict):
-    squashfs_dir: Path = Path("build/squashfs")
-    recipes_dir: Path = Path("build/recipes")
-    state_dir: Path = Path("build/state")
+    """Where imgpipe writes."""
+
+    squashfs_dir: Path = Field(default=Path("build/squashfs"), description="the squashfs "
+                               "folder: conversions and fetched published files (shared by "
+                               "every user of a cluster: node-config --make-cache)")
+    recipes_dir: Path = Field(default=Path("build/recipes"), description="where `recipes "
+                              "render` writes when -o is not given")
+    state_dir: Path = Field(default=Path("build/state"), description="build records: what "
+                            "was built from which inputs (change detection)")
 
 
 class DockerConfig(_Strict):
     """Which docker client drives builds: ``auto`` picks one that has BuildKit."""
 
-    client: str = "auto"
+    client: str = Field(default="auto", description="the docker client to build with (a "
+                        "path); auto: one that can drive BuildKit")
     host: str | None = Field(default=None, description="DOCKER_HOST for the engine, if not default")
 
 
@@ -136,16 +158,21 @@ class SecretSources(_Strict):
     ca_bundle: Path | None = Field(
         default=Path("/etc/ssl/certs/ca-certificates.crt"),
         description="CA bundle for intercepting proxies (used only when the file exists)")
-    pip_config: Path | None = None
-    ngc_api_key_env: str = "NGC_API_KEY"
+    pip_config: Path | None = Field(default=None, description="a pip.conf handed to builds "
+                                    "as a secret (an index that serves the wheels)")
+    ngc_api_key_env: str = Field(default="NGC_API_KEY", description="the environment "
+                                 "variable holding the NGC API key for nvcr.io pulls")
 
 
 class BuildConfig(_Strict):
+    """How images are built."""
+
     secrets: SecretSources = SecretSources()
     wheels_dir: Path | None = Field(
         default=None, description="a folder of .whl files offered to builds (air-gapped sites)")
-    timeout_s: int = Field(default=7200, ge=60)
-    selftest_timeout_s: int = Field(default=900, ge=10)
+    timeout_s: int = Field(default=7200, ge=60, description="give up a build after this long")
+    selftest_timeout_s: int = Field(default=900, ge=10, description="give up a self-test "
+                                    "after this long")
     registry_cache: bool = Field(default=True, description="reuse layers from the head-node "
                                  "registry's last push (BuildKit inline cache, or a buildx "
                                  "registry cache): a fresh runner does not rebuild them")
@@ -161,10 +188,13 @@ class EnrootConfig(_Strict):
     # None: by how nodes start jobs.  Unpacking (Pyxis's default) wants the smallest file:
     # zstd.  Mounting (use_squashfuse=1) reads through FUSE on every start: lz4 reads 1.7x
     # faster than zstd for 1.4x the size (bench/bench_squashfuse.py; bench/README.md).
-    compression: Literal["zstd", "lz4", "lzo-enroot", "none"] | None = None
+    compression: Literal["zstd", "lz4", "lzo-enroot", "none"] | None = Field(
+        default=None, description="the squashfs compression; default: zstd, or lz4 with "
+        "squashfuse")
     squashfuse: bool = Field(default=False, description="nodes run Pyxis with "
                              "use_squashfuse=1 (jobs mount squashfs files, never unpack)")
-    zstd_level: int = Field(default=3, ge=1, le=22)
+    zstd_level: int = Field(default=3, ge=1, le=22, description="zstd's level (3: Enroot's "
+                            "speed, a third smaller than lzo)")
     processors: int = Field(default=0, ge=0, description="0: every core")
     # Off by default, as in Enroot: every blob is checked against the digest the manifest
     # pins, and the squashfs is made from those bytes alone, so a config whose diff_ids do
@@ -246,16 +276,26 @@ class EnrootConfig(_Strict):
 
 
 class RecipesConfig(_Strict):
-    profiles_dir: Path | None = Field(default=None, description="a site's own profiles")
-    data_dir: str = "/lustre/bert/data"
-    checkpoint_dir: str = "/lustre/bert/checkpoints"
-    results_dir: str = "/lustre/bert/results"
-    dataset_source: str = "/lustre/bert/source"
-    vocab: str = "/lustre/bert/vocab.txt"
+    """What `imgpipe recipes render` writes into the job scripts: the cluster's paths."""
+
+    profiles_dir: Path | None = Field(default=None, description="a site's own profiles "
+                                      "(NAME.yaml; `imgpipe recipes profile new`)")
+    data_dir: str = Field(default="/lustre/bert/data", description="the prepared HDF5 shards "
+                          "(dataset.sub writes, run.sub reads), on the cluster filesystem")
+    checkpoint_dir: str = Field(default="/lustre/bert/checkpoints",
+                                description="training checkpoints")
+    results_dir: str = Field(default="/lustre/bert/results", description="logs, NCCL results "
+                             "and each job's record of its image (imgpipe report reads it)")
+    dataset_source: str = Field(default="/lustre/bert/source", description="the raw text "
+                                "dataset.sub prepares (a Wikipedia dump, or text files)")
+    vocab: str = Field(default="/lustre/bert/vocab.txt", description="the WordPiece "
+                       "vocabulary")
     bert_config: str = Field(default="",
                              description="a host file with the model config (empty: the image's)")
-    partition: str | None = None
-    walltime_minutes: int = Field(default=480, ge=1)
+    partition: str | None = Field(default=None, description="the Slurm partition of every "
+                                  "job (default: the profile's)")
+    walltime_minutes: int = Field(default=480, ge=1, description="run.sub's time limit "
+                                  "(#SBATCH --time)")
 
 
 class Settings(_Strict):
@@ -263,12 +303,15 @@ class Settings(_Strict):
 
     registry: RegistryConfig = RegistryConfig()
     outputs: OutputsConfig = OutputsConfig()
-    images_dir: Path = Path("images")
+    images_dir: Path = Field(default=Path("images"), description="the image catalog: a "
+                             "folder per image (image.yaml, Dockerfile, payload)")
     docker: DockerConfig = DockerConfig()
     build: BuildConfig = BuildConfig()
     enroot: EnrootConfig = EnrootConfig()
     recipes: RecipesConfig = RecipesConfig()
-    default_flavor: Literal["ngc", "cpu"] = "cpu"
+    default_flavor: Literal["ngc", "cpu"] = Field(
+        default="cpu", description="the flavor built and rendered when none is named: cpu on "
+        "one machine (no NGC pull), ngc on a GPU cluster (`imgpipe site init` sets it)")
     # Folder relative paths resolve against; not a key in the file.
     root: Path = Field(default=Path("."), exclude=True)
     source: Path | None = Field(default=None, exclude=True)

@@ -130,17 +130,23 @@ def node_config(ctx: click.Context, pyxis_version: tuple[int, int, int] | None,
                 enroot_path: str | None, importer: str | None, no_squashfuse: bool,
                 make_cache: str | None, group: str | None, check: bool, apply: bool,
                 accept: tuple[str, ...], site_config: Path | None, node_root: Path) -> Result:
-    """Print what compute nodes need: enroot.conf, plugstack.conf and install lines.
+    """Print what compute nodes need for imgpipe, and check or set up a node.
 
-    The plugstack line follows the nodes' Pyxis: importer= only for 0.21 and newer
-    (older Pyxis fails on it and breaks every srun), container_scope=job only where
-    Pyxis's cleanup finds enroot, use_squashfuse=1 from 0.22 (jobs mount the squashfs
-    instead of unpacking it: start-up in about a second).  Run it on a compute node,
-    or say the versions.
+    Only imgpipe's own files are needed (the site config, the importer, its Pyxis option);
+    lines that would change what a cluster's existing jobs do (ENROOT_ALLOW_HTTP,
+    SSL_CERT_FILE, importer= on the site's own Pyxis line) are marked, with the choice that
+    leaves them as they are.  The plugstack line follows the nodes' Pyxis: importer= only
+    for 0.21 and newer (older Pyxis fails on it), container_scope=job only where Pyxis's
+    cleanup finds enroot, use_squashfuse=1 from 0.22.  With importer=, images of other
+    registries (nvcr.io, Docker Hub) are imported by enroot exactly as without it.
 
     \b
-    Example:
+    Examples:
       imgpipe node-config --pyxis-version 0.24 --enroot /usr/bin/enroot > node-setup.txt
+      imgpipe node-config --check                     # on a node: a diff of what it lacks
+      imgpipe node-config --apply                     # as root: imgpipe's own files only
+      imgpipe node-config --apply --accept importer   # and importer= on the site's line
+      imgpipe node-config --make-cache /lustre/imgpipe/squashfs
     """
     if make_cache is not None:
         return _make_cache(ctx, make_cache, group)

@@ -46,7 +46,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
     "convert": ("imgpipe.cli.convert", "convert_command",
         "Convert an image into a squashfs file in outputs.squashfs_dir, once per digest."),
     "node-config": ("imgpipe.cli.convert", "node_config",
-        "Print what compute nodes need: enroot.conf, plugstack.conf and install lines."),
+        "Print what compute nodes need for imgpipe, and check or set up a node."),
     "verify": ("imgpipe.cli.convert", "verify_command",
         "Convert an image here and compare it byte for byte with its published squashfs."),
     "registry": ("imgpipe.cli.registry", "registry",
@@ -116,9 +116,9 @@ def cli(ctx: click.Context, config_path: str | None, verbose: bool) -> None:
 
     \b
     First steps on one machine (no imgpipe.yaml needed):
-      imgpipe doctor                  what this machine has and lacks
-      imgpipe registry up             start the registry on 127.0.0.1:5000
-      imgpipe registry status         is it up, what does it hold
+      imgpipe doctor                # what this machine has and lacks
+      imgpipe registry up           # start the registry on 127.0.0.1:5000
+      imgpipe registry status       # is it up, what does it hold
 
     Every command takes --help; commands that report take --json.
     """
@@ -177,7 +177,7 @@ def base_image(ctx: click.Context, tag: str | None, platform: str | None, suite:
     \b
     Example (then build the cpu flavor on it):
       imgpipe base-image --tag local/debian-python:bookworm
-      imgpipe base-image --platform linux/arm64   (the cpu flavor's platform_bases)
+    # imgpipe base-image --platform linux/arm64   # the cpu flavor's platform_bases
     """
     from imgpipe.base.platforms import Platform
     from imgpipe.commands.baseimage import make_base_image

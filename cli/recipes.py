@@ -30,9 +30,9 @@ def recipes() -> None:
     \b
     Examples:
       imgpipe recipes table --profile dgx1 --max-nodes 16
-      imgpipe recipes render --profile dgx-h100 --nodes 4 -o recipes/
-      source recipes/config_4x8x2048x8.sh && sbatch -N"$DGXNNODES" \\
-          --ntasks-per-node="$DGXNGPU" recipes/run.sub
+      imgpipe recipes render --profile dgx-h100 --nodes 4 --flavor ngc -o ~/bert
+      source ~/bert/config_4x8x2048x8.sh && sbatch -N"$DGXNNODES" \\
+          --ntasks-per-node="$DGXNGPU" ~/bert/run.sub
     """
 
 

@@ -25,11 +25,11 @@ def registry() -> None:
 
     \b
     Examples:
-      imgpipe registry up                     start it (idempotent)
-      imgpipe registry status                 address, mode, storage, repositories
-      imgpipe registry tags local/bert        tags with their digests
-      imgpipe registry rm local/bert:old      delete that manifest
-      imgpipe registry gc                     reclaim the bytes nothing uses any more
+      imgpipe registry up                   # start it (idempotent)
+      imgpipe registry status               # address, mode, storage, repositories
+      imgpipe registry tags local/bert      # tags with their digests
+      imgpipe registry rm local/bert:old    # delete that manifest
+      imgpipe registry gc                   # reclaim the bytes nothing uses any more
     """
 
 

@@ -26,6 +26,7 @@ IMPORT_TIMEOUT_S = 6 * 3600
 def enroot_get(uri: str) -> Path:
     """``uri`` imported by Enroot as Pyxis would, into this user's own folder; recorded so
     that release removes it."""
+    enroot = process.require("enroot")  # before anything is made for it
     job = os.environ.get("SLURM_JOB_ID", "nojob")
     step = os.environ.get("SLURM_STEP_ID", "nostep")
     out = Path(_record_dir()) / f"import.{socket.gethostname()}.{job}.{step}.squashfs"
@@ -34,7 +35,7 @@ def enroot_get(uri: str) -> Path:
             out.unlink()
     except FileNotFoundError:
         pass
-    process.run(["enroot", "import", "--output", str(out), uri], timeout=IMPORT_TIMEOUT_S,
+    process.run([enroot, "import", "--output", str(out), uri], timeout=IMPORT_TIMEOUT_S,
                 what=f"enroot import {uri}")
     write_record([IMPORTED, str(out)])
     return out

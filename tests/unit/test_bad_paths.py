@@ -41,7 +41,10 @@ CASES: dict[str, list[str]] = {
     "plan in a folder without images": ["plan"],
     "convert into a squashfs folder in /proc": ["convert", PINNED],
     "importer with its cache in /proc": ["@importer", "get",
-                                         "docker://head:5000#imgpipe/bert@sha256:" + "ab" * 32],
+                                         "docker://127.0.0.1:5000#imgpipe/bert@sha256:"
+                                         + "ab" * 32],
+    "importer without enroot for another registry's image": [
+        "@importer", "get", "docker://nvcr.io#nvidia/pytorch:25.01-py3"],
 }
 
 
