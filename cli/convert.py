@@ -48,10 +48,12 @@ def _lines(conversion: Conversion) -> list[str]:
               help="Which platform's manifest of an index (linux/arm64 on an x86 head node: "
               "nothing of the target runs).  Default: this node's (IMGPIPE_PLATFORM, else "
               "uname -m).")
+@click.option("-q", "--quiet", is_flag=True, help="Print the squashfs path alone, no "
+              "progress (for scripts: CONT=$(imgpipe convert -q bert)).")
 @reporting
 def convert_command(ctx: click.Context, target: str, flavor: str | None,
                     compression: str | None, with_enroot: bool, no_published: bool,
-                    no_prebuilt: bool, platform: str | None) -> Result:
+                    no_prebuilt: bool, platform: str | None, quiet: bool) -> Result:
     """Convert an image into a squashfs file in outputs.squashfs_dir, once per digest.
 
     IMAGE is a catalog name (its digest is taken from imgpipe.lock, and the lock
@@ -69,12 +71,13 @@ def convert_command(ctx: click.Context, target: str, flavor: str | None,
       imgpipe convert bert
       imgpipe convert bert --platform linux/arm64
       imgpipe convert 127.0.0.1:5000/imgpipe/bert:latest-cpu --compression lz4
+      CONT=$(imgpipe convert -q bert) && sbatch -N2 run.sub
     """
     if no_prebuilt:
         deprecated("--no-prebuilt is now --no-published")
         no_published = True
     settings = settings_of(ctx)
-    progress = Progress(choose_mode(invocation(ctx).json))
+    progress = Progress(choose_mode(invocation(ctx).json or quiet))
     conversion = convert_and_record(settings, target, flavor or settings.default_flavor,
                                     compression, with_enroot, progress, no_published,
                                     Platform.parse(platform) if platform else None)
@@ -84,7 +87,8 @@ def convert_command(ctx: click.Context, target: str, flavor: str | None,
                    "compression": conversion.compression,
                    "fetched_bytes": conversion.fetched_bytes, "entries": conversion.entries,
                    "published": conversion.published,
-                   "layers": conversion.layers}, _lines(conversion))
+                   "layers": conversion.layers},
+                  [str(conversion.path)] if quiet else _lines(conversion))
 
 
 convert_command.name = "convert"
@@ -233,7 +237,7 @@ def verify_command(ctx: click.Context, target: str, flavor: str | None,
       imgpipe verify bert && imgpipe convert bert
     """
     settings = settings_of(ctx)
-    progress = Progress(choose_mode(invocation(ctx).json))
+    progress = Progress(choose_mode(invocation(ctx).json or quiet))
     done = verify(settings, target, flavor or settings.default_flavor, compression, progress)
     return Result({"reference": done.reference, "digest": done.digest,
                    "compression": done.compression, "local": done.local,

@@ -84,6 +84,6 @@ def init(ctx: click.Context, registry: str | None, registry_ca: Path | None, pla
         gpu_memory_gb=gpu_memory_gb, busbw_gbs=busbw_gbs, config=config_path,
         overwrite=force))
     return Result({"written": [str(p) for p in written]},
-                  [f"wrote {p}" for p in written] + [
+                  ([f"wrote {p}" for p in written] or [f"{config_path}: as answered already"]) + [
                       f"next: imgpipe recipes profile check {profile_name} (on a compute "
                       "node), imgpipe node-config --check (on each node)"])

@@ -98,9 +98,6 @@ def init_site(answers: SiteAnswers) -> list[Path]:
                           "digits, '.', '_' and '-'")
     config = answers.config
     profile_path = config.parent / "profiles" / f"{answers.profile}.yaml"
-    for path in (config, profile_path):
-        if path.exists() and not answers.overwrite:
-            raise ConfigError(f"{path} exists already", hint="edit it, or pass --force")
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
     text = (f"# The site's imgpipe config, written by `imgpipe site init` on {stamp}.\n"
             "# Every key: docs/reference/configuration.md; check: imgpipe config show --origin\n"
@@ -108,6 +105,13 @@ def init_site(answers: SiteAnswers) -> list[Path]:
     from imgpipe.base.config import Settings  # the shipped defaults, for the base profile
 
     profile = site_profile_of(answers, site_profile(Settings(), answers.base_profile))
+    wanted = {config: text, profile_path: profile_text(profile)}
+    if all(_same(path, content) for path, content in wanted.items()):
+        return []  # the same answers again: nothing to do
+    for path in wanted:
+        if path.exists() and not answers.overwrite:
+            raise ConfigError(f"{path} exists already, with other values",
+                              hint="edit it, or pass --force")
     staged = config.with_name(f".{config.name}.check")
     staged.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -117,3 +121,12 @@ def init_site(answers: SiteAnswers) -> list[Path]:
         staged.unlink(missing_ok=True)
     return [atomic_write(profile_path, profile_text(profile), mode=0o644),
             atomic_write(config, text, mode=0o644)]
+
+
+def _same(path: Path, content: str) -> bool:
+    """Whether ``path`` holds ``content`` already (its first line, a date, aside)."""
+    try:
+        found = path.read_text()
+    except OSError:
+        return False
+    return found.split("\n", 1)[-1] == content.split("\n", 1)[-1]

@@ -23,7 +23,8 @@ from imgpipe.recipes.profiles import SHIPPED, load_profile
 from imgpipe.recipes.scaling import shape_for
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), ROOT / "bench/README.md"]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), ROOT / "bench/README.md",
+         *sorted((ROOT / "docs").glob("*.sh"))]  # the scripts the pages show
 SEPARATORS = {"&&", "||", ";", "|", "&"}
 PLACEHOLDER = re.compile(r"^(?:[A-Z][A-Z0-9_]*(?:\[[^\]]*\])?|.*<[^>]*>.*|\.\.\.|…|[A-Z]+:.*)$")
 
@@ -57,7 +58,10 @@ def imgpipe_lines() -> list[tuple[str, bool, list[str]]]:
     """(where, whole command?, argv after `imgpipe`) of every imgpipe command shown."""
     found = []
     for page in PAGES:
-        for whole, line in _code_lines(page.read_text()):
+        text = page.read_text()
+        if page.suffix == ".sh":  # a script is all code
+            text = f"```sh\n{text}\n```\n"
+        for whole, line in _code_lines(text):
             try:
                 words = shlex.split(line, comments=True)
             except ValueError:
@@ -180,7 +184,7 @@ def test_every_config_file_named_is_one_the_recipes_write() -> None:
     assert wrong == []
 
 
-PATH = re.compile(r"(?<![\w/.~-])((?:docs|enroot|cli|commands|pipeline|registry|recipes|base|"
+PATH = re.compile(r"(?<![\w/.~$-])((?:docs|enroot|cli|commands|pipeline|registry|recipes|base|"
                   r"images|tests|bench|\.ci|\.github)/[\w./-]*[\w/])")
 
 

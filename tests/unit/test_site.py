@@ -31,9 +31,16 @@ def test_site_init_writes_a_config_and_profile_that_load(cli, tmp_path: Path) ->
     assert (profile.gpus_per_node, profile.hcas, profile.cores_per_node, profile.partition) == (
         4, ["mlx5_0", "mlx5_1"], 64, "gpu")
     assert profile.gpu.model == "A100-SXM4-80GB"
+    code, out, err = cli("site", "init", "--registry", "head:5443", "--registry-ca", str(ca),
+                         "--squashfs-dir", "/lustre/imgpipe/sq", "--partition", "gpu",
+                         "--data-root", "/lustre/bert", "--from", "dgx-a100", "--hcas",
+                         "mlx5_0,mlx5_1", "--gpus-per-node", "4", "--cores-per-node", "64",
+                         "--config", str(config))
+    assert code == 0 and "as answered already" in out, err  # the same answers: idempotent
     code, out, err = cli("site", "init", "--registry", "head", "--plain-http", "--squashfs-dir",
                          "/x", "--partition", "p", "--data-root", "/d", "--config", str(config))
-    assert code == 2 and f"{config} exists already" in err and "--force" in err
+    assert code == 2 and f"{config} exists already, with other values" in err
+    assert "--force" in err
 
 
 def test_site_init_asks_for_tls_or_says_what_plain_http_costs(cli, tmp_path: Path) -> None:

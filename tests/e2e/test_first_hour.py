@@ -1,0 +1,132 @@
+"""The admin guide's first hour (docs/first-hour.sh, the script docs/admin.md shows), run as
+written on the sandbox cluster set up as an existing site.
+
+The site has its own files before imgpipe comes: a node image with its own enroot.conf,
+environ.d and Pyxis line (Pyxis 0.24), a partition named `debug`, a CPU profile that is no DGX.
+imgpipe reaches the nodes as the guide says: a wheel built from the checkout, installed with its
+dependencies into a venv of the system Python.  The script then writes the site config in /etc,
+checks and applies the nodes' config (the importer accepted), sets the shared cache up, checks
+the profile against the node, renders the recipes as a user and runs the NCCL check and the
+report.  Afterwards the site's own files are as they were, except the Pyxis line the admin
+accepted, which is kept in a backup.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.cluster import USERS, owned_by, shared_folder
+
+ROOT = Path(__file__).resolve().parents[2]
+ALICE = USERS[0]
+SITE_CONFIG = Path("/etc/imgpipe")
+PYXIS = ("required /usr/lib/x86_64-linux-gnu/slurm-wlm/spank_pyxis.so "
+         "runtime_path=/run/pyxis container_scope=job sbatch_support=1")
+SITE_FILES = {
+    "etc/slurm/plugstack.conf": "include /etc/slurm/plugstack.conf.d/*.conf\n",
+    "etc/slurm/plugstack.conf.d/pyxis.conf": PYXIS + "\n",
+    "etc/enroot/enroot.conf": "ENROOT_RUNTIME_PATH /run/enroot/user-$(id -u)\n"
+                              "ENROOT_SQUASH_OPTIONS -comp lzo -noD\n",
+    "etc/enroot/environ.d/50-site.env": "NCCL_SOCKET_IFNAME=ib0\n",
+}
+
+pytestmark = pytest.mark.slow
+
+
+def _sums(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()}
+
+
+@pytest.fixture
+def site_etc() -> Iterator[None]:
+    """/etc/imgpipe as the site left it before the test, put back after."""
+    kept = SITE_CONFIG.with_name("imgpipe.first-hour-test")
+    if SITE_CONFIG.exists():
+        SITE_CONFIG.rename(kept)
+    try:
+        yield
+    finally:
+        shutil.rmtree(SITE_CONFIG, ignore_errors=True)
+        if kept.exists():
+            kept.rename(SITE_CONFIG)
+
+
+def _node_venv(work: Path) -> Path:
+    """imgpipe as the guide installs it on a node: a wheel of the checkout, its dependencies
+    downloaded beside it, a venv of the system Python every user can run."""
+    source = work / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        "build", ".venv", ".git", "__pycache__", "*.egg-info", "dist"))
+    dist = work / "dist"
+    python = "/usr/bin/python3"
+    subprocess.run([python, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dist),
+                    str(source)], check=True, capture_output=True, timeout=300)
+    [wheel] = dist.glob("imgpipe-*.whl")
+    subprocess.run([python, "-m", "pip", "download", "-q", "-d", str(dist / "deps"),
+                    str(wheel)], check=True, capture_output=True, timeout=900)
+    venv = work / "opt-imgpipe"
+    subprocess.run([python, "-m", "venv", str(venv)], check=True, capture_output=True)
+    subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--no-index", "--find-links",
+                    str(dist / "deps"), str(wheel)], check=True, capture_output=True,
+                   timeout=900)
+    subprocess.run(["chmod", "-R", "a+rX", str(work)], check=True)
+    return venv
+
+
+def test_the_first_hour_runs_as_written_and_leaves_the_sites_files(cluster, bert_cpu,
+                                                                   site_etc) -> None:
+    work = shared_folder("imgpipe-first-hour-")
+    node = work / "node"
+    for name, text in SITE_FILES.items():
+        (node / name).parent.mkdir(parents=True, exist_ok=True)
+        (node / name).write_text(text)
+    plugin = node / "usr/lib/x86_64-linux-gnu/slurm-wlm/spank_pyxis.so"
+    plugin.parent.mkdir(parents=True)
+    plugin.write_bytes(b"\x7fELF\0pyxis: version v0.24.0\0")
+    before = _sums(node)
+    venv = _node_venv(work)
+    checkout = work / "source"
+    data = work / "lustre-bert"
+    owned_by(ALICE, data, data / "results")
+    env = {"REGISTRY": "head:5000", "REGISTRY_CA": "", "SQUASHFS": str(work / "squashfs"),
+           "PARTITION": "debug", "DATA": str(data), "PROFILE_FROM": "local",
+           "NODE_SHAPE": f"--cores-per-node {os.cpu_count()}", "FLAVOR": "cpu",
+           "IMAGES": "", "RUNTIME": "charliecloud", "NODES": "2", "TASKS": "2",
+           "ACCEPT": "importer", "NODE_ROOT": str(node), "IMGPIPE": str(venv / "bin/imgpipe"),
+           "AS_USER": ALICE, "CHECKOUT": str(checkout),
+           "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+    done = cluster.run(["bash", str(checkout / "docs" / "first-hour.sh")], env=env,
+                       timeout=900, cwd="/tmp")
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said[-4000:]
+
+    # 1. the site config in /etc, read by every command, each key's file said
+    site = (SITE_CONFIG / "imgpipe.yaml").read_text()
+    assert "host: head" in site and "partition: debug" in site
+    assert "/etc/imgpipe/imgpipe.yaml  registry.host=\"head\"" in said
+    assert "/etc/imgpipe/imgpipe.yaml  recipes.partition=\"debug\"" in said
+    # 3. the node: a diff first, then imgpipe's own files, the accepted line, nothing else
+    assert f"  + {PYXIS} importer=/usr/local/bin/imgpipe-pyxis-importer" in said
+    assert "  ! changes existing jobs: every job's --container-image" in said
+    after = _sums(node)
+    changed = {name for name in before if after.get(name) != before[name]}
+    assert changed == {"etc/slurm/plugstack.conf.d/pyxis.conf"}, changed
+    [backup] = (node / "var/lib/imgpipe/backups").rglob("pyxis.conf")
+    assert backup.read_text() == PYXIS + "\n"
+    assert (node / "usr/local/bin/imgpipe-pyxis-importer").resolve() == \
+        (venv / "bin/imgpipe-pyxis-importer").resolve()
+    assert (node / "etc/imgpipe/imgpipe.yaml").read_text() == site
+    assert (work / "squashfs" / ".imgpipe" / "VERSION").is_file()
+    assert "profile site: matches this node" in said
+    # 4. the first jobs: the NCCL check passed, judged by the site's profile
+    assert "PASS: all_reduce on 4 rank(s) / 2 node(s)" in said, said[-4000:]
+    assert "judged against profile site" in said
+    assert (data / "results" / "report" / "index.html").is_file()
