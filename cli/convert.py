@@ -237,7 +237,7 @@ def verify_command(ctx: click.Context, target: str, flavor: str | None,
       imgpipe verify bert && imgpipe convert bert
     """
     settings = settings_of(ctx)
-    progress = Progress(choose_mode(invocation(ctx).json or quiet))
+    progress = Progress(choose_mode(invocation(ctx).json))
     done = verify(settings, target, flavor or settings.default_flavor, compression, progress)
     return Result({"reference": done.reference, "digest": done.digest,
                    "compression": done.compression, "local": done.local,

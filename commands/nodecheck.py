@@ -94,6 +94,10 @@ def _importer_target() -> Path:
 
 def check_node(settings: Settings, root: Path = Path("/"),
                site_config: Path | None = None) -> NodeCheck:
+    """What this node (or the node image at ``root``) lacks of what imgpipe needs; the site
+    config it should have is ``site_config``, by default this host's."""
+    if site_config is None and SITE_CONFIG.is_file():
+        site_config = SITE_CONFIG
     pyxis = detect_pyxis(tuple(str(_under(root, c)) for c in PYXIS_SO_CANDIDATES))
     findings = [_site_config(root, site_config), _importer_link(root)]
     findings.append(_plugstack(root, pyxis))
@@ -160,10 +164,8 @@ def _enroot_conf(settings: Settings, root: Path) -> list[Finding]:
 
     options = [f"  option (not needed with importer=): #{c.line} ({c.affects})"
                for c in _registry_lines(settings)]
-    exists = _under(root, ENROOT_CONF).is_file()
-    return [Finding(ENROOT_CONF, "ok", False,
-                    [f"  nothing needed: the site's {'file stays' if exists else 'defaults stay'}"
-                     " as they are", *options])]
+    kept = "file stays as it is" if _under(root, ENROOT_CONF).is_file() else "defaults stay"
+    return [Finding(ENROOT_CONF, "ok", False, [f"  nothing needed: the site's {kept}", *options])]
 
 
 def apply_node(settings: Settings, root: Path = Path("/"), site_config: Path | None = None,
@@ -173,6 +175,8 @@ def apply_node(settings: Settings, root: Path = Path("/"), site_config: Path | N
     Returns what it did, a line each (empty: nothing to do)."""
     if os.geteuid() != 0 and root == Path("/"):
         raise ConfigError("node-config --apply writes /etc and /usr/local/bin: run it as root")
+    if site_config is None and SITE_CONFIG.is_file():
+        site_config = SITE_CONFIG
     checked = check_node(settings, root, site_config)
     done = []
     stamp = time.strftime("%Y%m%d%H%M%S")

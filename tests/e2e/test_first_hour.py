@@ -93,7 +93,8 @@ def test_the_first_hour_runs_as_written_and_leaves_the_sites_files(cluster, bert
     plugin.write_bytes(b"\x7fELF\0pyxis: version v0.24.0\0")
     before = _sums(node)
     venv = _node_venv(work)
-    checkout = work / "source"
+    checkout = work / "source"  # the user's own clone: the catalog, and the lock render keeps
+    subprocess.run(["chown", "-R", f"{ALICE}:", str(checkout)], check=True)
     data = work / "lustre-bert"
     owned_by(ALICE, data, data / "results")
     env = {"REGISTRY": "head:5000", "REGISTRY_CA": "", "SQUASHFS": str(work / "squashfs"),
