@@ -56,10 +56,11 @@ def argv_for(name: str, tmp: Path) -> list[str]:
     return [part.format(**places) for part in CASES[name]]
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_a_bad_path_is_one_line_and_no_traceback(name: str, tmp_path: Path) -> None:
+def _attempt(name: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], list[str],
+                                                  list[str]]:
+    """One case run as a user types it: the result, and the tree before and after."""
     work = tmp_path / "work"
-    work.mkdir()
+    work.mkdir(parents=True)
     (work / "imgpipe.yaml").write_text("outputs:\n  squashfs_dir: /proc/imgpipe-cache\n")
     argv = argv_for(name, tmp_path)
     entry = "from imgpipe.cli.main import run\nrun()"
@@ -70,6 +71,24 @@ def test_a_bad_path_is_one_line_and_no_traceback(name: str, tmp_path: Path) -> N
                           text=True, timeout=120, cwd=work,
                           env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
                                "IMGPIPE_CONFIG": str(work / "imgpipe.yaml")})
+    return done, before, sorted(p.name for p in tmp_path.rglob("*"))
+
+
+@pytest.fixture(scope="module")
+def attempts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
+    """Every case at once, four processes at a time (each is mostly Python's start)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {name: pool.submit(_attempt, name, tmp_path_factory.mktemp("bad"))
+                   for name in sorted(CASES)}
+    return {name: future.result() for name, future in futures.items()}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_bad_path_is_one_line_and_no_traceback(name: str, attempts: dict[str, tuple]
+                                                 ) -> None:
+    done, before, after = attempts[name]
     assert done.returncode != 0, (name, done.stdout)
     assert "Traceback" not in done.stderr, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
@@ -77,4 +96,4 @@ def test_a_bad_path_is_one_line_and_no_traceback(name: str, tmp_path: Path) -> N
         assert [line for line in lines if line.startswith("Error:")] == [lines[-1]], lines
     else:
         assert len(lines) == 1 and lines[0].startswith(("error:", "imgpipe:")), lines
-    assert sorted(p.name for p in tmp_path.rglob("*")) == before  # nothing left behind
+    assert after == before  # nothing left behind

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import warnings
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -86,6 +87,12 @@ def imgpipe_lines() -> list[tuple[str, bool, list[str]]]:
 def _resolve(argv: list[str]) -> tuple[click.Command, click.Context, list[str]]:
     """The command ``argv`` names and its context, parsed as `imgpipe` would (no callback
     runs but the parameters' own conversions)."""
+    with warnings.catch_warnings():  # click 8.2 deprecates protected_args, which 8.1 needs
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return _resolve_quietly(argv)
+
+
+def _resolve_quietly(argv: list[str]) -> tuple[click.Command, click.Context, list[str]]:
     ctx = cli.make_context("imgpipe", list(argv))
     command: click.Command = cli
     rest = [*ctx.protected_args, *ctx.args]

@@ -195,7 +195,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("ranks", [3])  # an odd count: the bus bandwidth factor is 4/3
 def test_pytorch_benchmark_over_gloo_is_accepted(ranks: int, cli, tmp_path: Path) -> None:
     torchrun = Path(sys.executable).parent / "torchrun"
     result = subprocess.run(
