@@ -1,35 +1,50 @@
 #!/usr/bin/env bash
-# The first hour on a cluster that already runs Pyxis and Enroot (docs/admin.md shows this file).
-# Your site's answers come first; every step after them is idempotent and says what it did.
+# The first hour on a cluster that already runs Pyxis and Enroot
+# (docs/admin.md shows this file).  Your site's answers come first; every
+# step after them is idempotent and says what it did.
 # tests/e2e/test_first_hour.py runs this very file on the sandbox cluster.
 set -euo pipefail
 
-REGISTRY=${REGISTRY-head:5000}                    # the head node's registry
-REGISTRY_CA=${REGISTRY_CA-/etc/pki/site-ca.crt}   # the CA that signed its certificate ("": http)
-SQUASHFS=${SQUASHFS-/lustre/imgpipe/squashfs}     # the squashfs folder every node shares
-PARTITION=${PARTITION-gpu}                        # the partition jobs run in
-DATA=${DATA-/lustre/bert}                         # data, checkpoints and results below it
-PROFILE_FROM=${PROFILE_FROM-dgx-h100}             # the shipped profile nearest your nodes
+# The head node's registry, and the CA that signed its certificate ("": http)
+REGISTRY=${REGISTRY-head:5000}
+REGISTRY_CA=${REGISTRY_CA-/etc/pki/site-ca.crt}
+# The squashfs folder every node shares; the partition jobs run in; the folder
+# for data, checkpoints and results
+SQUASHFS=${SQUASHFS-/lustre/imgpipe/squashfs}
+PARTITION=${PARTITION-gpu}
+DATA=${DATA-/lustre/bert}
+# The shipped profile nearest your nodes, and how yours differ
+PROFILE_FROM=${PROFILE_FROM-dgx-h100}
 NODE_SHAPE=${NODE_SHAPE---hcas mlx5_0,mlx5_1,mlx5_2,mlx5_3 --cores-per-node 96}
-FLAVOR=${FLAVOR-ngc}                              # ngc: NVIDIA's PyTorch base
-IMAGES=${IMAGES-bert nccl-tests}                  # built and pushed from imgpipe's checkout
-RUNTIME=${RUNTIME-pyxis}                          # how jobs run their image
-NODES=${NODES-2}                                  # the first jobs' size
-TASKS=${TASKS-8}                                  # tasks (GPUs) per node
-ACCEPT=${ACCEPT-}                                 # "importer": also add importer= to Pyxis
-NODE_ROOT=${NODE_ROOT-/}                          # a node image instead of this host
-IMGPIPE=${IMGPIPE-imgpipe}                        # /opt/imgpipe/bin/imgpipe on the nodes
-AS_USER=${AS_USER-}                               # the first jobs' user (empty: whoever runs this)
-CHECKOUT=${CHECKOUT-$(cd "$(dirname "$0")/.." && pwd)}   # imgpipe's checkout: catalog and lock
+# ngc: NVIDIA's PyTorch base; the images built from imgpipe's checkout; how
+# jobs run their image
+FLAVOR=${FLAVOR-ngc}
+IMAGES=${IMAGES-bert nccl-tests}
+RUNTIME=${RUNTIME-pyxis}
+# The first jobs: nodes, tasks (GPUs) per node, and whose they are (empty:
+# whoever runs this)
+NODES=${NODES-2}
+TASKS=${TASKS-8}
+AS_USER=${AS_USER-}
+# "importer": also add importer= to the site's own Pyxis line
+ACCEPT=${ACCEPT-}
+# A node image instead of this host; imgpipe as installed on the nodes;
+# imgpipe's checkout (its catalog and lock)
+NODE_ROOT=${NODE_ROOT-/}
+IMGPIPE=${IMGPIPE-imgpipe}
+CHECKOUT=${CHECKOUT-$(cd "$(dirname "$0")/.." && pwd)}
 say() { printf '\n== %s\n' "$*"; }
-as_user() { if [ -n "$AS_USER" ]; then runuser -u "$AS_USER" -- "$@"; else "$@"; fi; }
+as_user() {
+  if [ -n "$AS_USER" ]; then runuser -u "$AS_USER" -- "$@"; else "$@"; fi
+}
 
 say "1. the site's config and profile (login node, as root)"
-if [ -n "$REGISTRY_CA" ]; then tls=(--registry-ca "$REGISTRY_CA"); else tls=(--plain-http); fi
+tls=(--plain-http)
+if [ -n "$REGISTRY_CA" ]; then tls=(--registry-ca "$REGISTRY_CA"); fi
 # shellcheck disable=SC2086 # NODE_SHAPE is flags
-"$IMGPIPE" site init --registry "$REGISTRY" "${tls[@]}" --squashfs-dir "$SQUASHFS" \
-    --partition "$PARTITION" --data-root "$DATA" --flavor "$FLAVOR" --from "$PROFILE_FROM" \
-    $NODE_SHAPE
+"$IMGPIPE" site init --registry "$REGISTRY" "${tls[@]}" \
+    --squashfs-dir "$SQUASHFS" --partition "$PARTITION" --data-root "$DATA" \
+    --flavor "$FLAVOR" --from "$PROFILE_FROM" $NODE_SHAPE
 "$IMGPIPE" config show --origin
 "$IMGPIPE" doctor || echo "doctor: the lines above say what this host lacks"
 
@@ -42,19 +57,23 @@ fi
 
 say "3. imgpipe on each compute node (as root; NODE_ROOT for a node image)"
 "$IMGPIPE" node-config --check --root "$NODE_ROOT"
-accept=(); if [ -n "$ACCEPT" ]; then accept=(--accept "$ACCEPT"); fi
+accept=()
+if [ -n "$ACCEPT" ]; then accept=(--accept "$ACCEPT"); fi
 "$IMGPIPE" node-config --apply --root "$NODE_ROOT" "${accept[@]}"
 "$IMGPIPE" node-config --make-cache "$SQUASHFS"
-"$IMGPIPE" recipes profile check site || echo "profile: edit /etc/imgpipe/profiles/site.yaml"
+"$IMGPIPE" recipes profile check site \
+  || echo "profile: edit /etc/imgpipe/profiles/site.yaml"
 
 say "4. the first jobs (login node, as a user, in the checkout)"
 recipes=$(as_user mktemp -d "${TMPDIR:-/tmp}/first-hour-XXXXXX")
-as_user "$IMGPIPE" recipes render --profile site --nodes "$NODES" --runtime "$RUNTIME" \
-    -o "$recipes"
-if [ "$RUNTIME" != pyxis ]; then  # no importer to ask: the job is handed the squashfs file
+as_user "$IMGPIPE" recipes render --profile site --nodes "$NODES" \
+    --runtime "$RUNTIME" -o "$recipes"
+if [ "$RUNTIME" != pyxis ]; then
+  # No importer to ask: the job is handed the squashfs file itself.
   CONT=$(as_user "$IMGPIPE" convert -q bert --flavor "$FLAVOR"); export CONT
 fi
 job=$(as_user sbatch --parsable --wait -N"$NODES" --ntasks-per-node="$TASKS" \
     --chdir "$recipes" "$recipes/nccl.sub")
-as_user "$IMGPIPE" nccl check "$DATA/results/nccl-$job.log" --profile site --nodes "$NODES"
+as_user "$IMGPIPE" nccl check "$DATA/results/nccl-$job.log" --profile site \
+    --nodes "$NODES"
 as_user "$IMGPIPE" report "$DATA/results"
