@@ -13,7 +13,6 @@ accepted, which is kept in a backup.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
@@ -23,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster import USERS, owned_by, shared_folder
+from tests.nodeimage import node_image, sums
 
 ROOT = Path(__file__).resolve().parents[2]
 ALICE = USERS[0]
@@ -38,11 +38,6 @@ SITE_FILES = {
 }
 
 pytestmark = pytest.mark.slow
-
-
-def _sums(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()}
 
 
 @pytest.fixture
@@ -85,13 +80,8 @@ def test_the_first_hour_runs_as_written_and_leaves_the_sites_files(cluster, bert
                                                                    site_etc) -> None:
     work = shared_folder("imgpipe-first-hour-")
     node = work / "node"
-    for name, text in SITE_FILES.items():
-        (node / name).parent.mkdir(parents=True, exist_ok=True)
-        (node / name).write_text(text)
-    plugin = node / "usr/lib/x86_64-linux-gnu/slurm-wlm/spank_pyxis.so"
-    plugin.parent.mkdir(parents=True)
-    plugin.write_bytes(b"\x7fELF\0pyxis: version v0.24.0\0")
-    before = _sums(node)
+    node_image(node, SITE_FILES, "usr/lib/x86_64-linux-gnu/slurm-wlm/spank_pyxis.so")
+    before = sums(node)
     venv = _node_venv(work)
     checkout = work / "source"  # the user's own clone: the catalog, and the lock render keeps
     subprocess.run(["chown", "-R", f"{ALICE}:", str(checkout)], check=True)
@@ -117,7 +107,7 @@ def test_the_first_hour_runs_as_written_and_leaves_the_sites_files(cluster, bert
     # 3. the node: a diff first, then imgpipe's own files, the accepted line, nothing else
     assert f"  + {PYXIS} importer=/usr/local/bin/imgpipe-pyxis-importer" in said
     assert "  ! changes existing jobs: every job's --container-image" in said
-    after = _sums(node)
+    after = sums(node)
     changed = {name for name in before if after.get(name) != before[name]}
     assert changed == {"etc/slurm/plugstack.conf.d/pyxis.conf"}, changed
     [backup] = (node / "var/lib/imgpipe/backups").rglob("pyxis.conf")

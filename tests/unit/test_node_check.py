@@ -5,8 +5,9 @@ keeps backups where nothing includes them, and a second run changes nothing."""
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
+
+from tests.nodeimage import node_image, sums
 
 PYXIS = "required /usr/local/lib/slurm/spank_pyxis.so runtime_path=/run/pyxis container_scope=job"
 
@@ -18,18 +19,8 @@ def _node(root: Path) -> dict[str, str]:
         "etc/enroot/enroot.conf": "ENROOT_RUNTIME_PATH /run/enroot/user-$(id -u)\n",
         "etc/enroot/environ.d/50-site.env": "SITE=1\n",
     }
-    for name, text in files.items():
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_text(text)
-    plugin = root / "usr/local/lib/slurm/spank_pyxis.so"
-    plugin.parent.mkdir(parents=True)
-    plugin.write_bytes(b"\x7fELF\0pyxis: version v0.24.0\0")
+    node_image(root, files, "usr/local/lib/slurm/spank_pyxis.so")
     return files
-
-
-def _sums(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()}
 
 
 def test_check_shows_only_what_imgpipe_needs_and_marks_changes_to_jobs(cli, tmp_path: Path
@@ -37,11 +28,11 @@ def test_check_shows_only_what_imgpipe_needs_and_marks_changes_to_jobs(cli, tmp_
     root = tmp_path / "node"
     _node(root)
     config = cli.write_config({"registry": {"host": "head", "scheme": "http"}})
-    before = _sums(root)
+    before = sums(root)
     code, out, err = cli("node-config", "--check", "--root", str(root), "--site-config",
                          str(config))
     assert code == 0, err
-    assert _sums(root) == before  # --check reads only
+    assert sums(root) == before  # --check reads only
     assert "/etc/imgpipe/imgpipe.yaml (imgpipe's): missing" in out
     assert "/usr/local/bin/imgpipe-pyxis-importer (imgpipe's): missing" in out
     assert "/etc/slurm/plugstack.conf.d/pyxis.conf (the site's): differs" in out
@@ -58,17 +49,17 @@ def test_apply_writes_imgpipes_own_files_keeps_backups_and_is_idempotent(cli, tm
     root = tmp_path / "node"
     _node(root)
     config = cli.write_config({"registry": {"host": "head"}})
-    site = _sums(root)
+    site = sums(root)
     code, out, err = cli("node-config", "--apply", "--root", str(root), "--site-config",
                          str(config))
     assert code == 0, err
-    after = _sums(root)
+    after = sums(root)
     assert {k: v for k, v in after.items() if k in site} == site  # the site's files as they were
     assert (root / "etc/imgpipe/imgpipe.yaml").read_text() == config.read_text()
     assert (root / "usr/local/bin/imgpipe-pyxis-importer").is_symlink()
     code, out, _ = cli("node-config", "--apply", "--root", str(root), "--site-config",
                        str(config))
-    assert "nothing to do: the node has what imgpipe needs" in out and _sums(root) == after
+    assert "nothing to do: the node has what imgpipe needs" in out and sums(root) == after
     code, out, err = cli("node-config", "--apply", "--accept", "importer", "--root", str(root),
                          "--site-config", str(config))
     assert code == 0, err
