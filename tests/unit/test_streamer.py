@@ -183,7 +183,7 @@ def _random_layers(rng: random.Random) -> list[bytes]:
 
 def test_random_layer_stacks_give_the_same_root_or_ask_for_two_passes(tmp_path: Path) -> None:
     rng = random.Random(2026)
-    cases = [sources(tmp_path / f"case{case}", _random_layers(rng)) for case in range(64)]
+    cases = [sources(tmp_path / f"case{case}", _random_layers(rng)) for case in range(48)]
 
     def outcome(layers: list[LayerSource]) -> str:
         try:
@@ -208,7 +208,7 @@ def test_random_layer_stacks_give_the_same_root_or_ask_for_two_passes(tmp_path: 
              if found not in ("same", "refused", "two")}
     assert wrong == {}
     same, refused = outcomes.count("same"), outcomes.count("refused")
-    assert same >= 12 and refused >= 3, (same, refused)  # the one pass does the work
+    assert same >= 8 and refused >= 2, (same, refused)  # the one pass does the work
 
 
 def as_converted(layers: list[LayerSource]) -> bytes:
