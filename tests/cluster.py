@@ -7,10 +7,12 @@ serves the tests, the demo and ``imgpipe sandbox``.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import pwd
 import shlex
+import shutil
 import subprocess
 import tempfile
 import time
@@ -38,10 +40,19 @@ def prepare_node_devices() -> None:
 
 
 def shared_folder(prefix: str) -> Path:
-    """A folder every job user can enter (pytest's tmp_path is root's, mode 0700)."""
+    """A folder every job user can enter (pytest's tmp_path is root's, mode 0700), removed
+    when the test process ends: a run leaves no squashfs files or clones behind in /tmp."""
     folder = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     os.chmod(folder, 0o755)
+    atexit.register(remove_folder, folder)
     return folder
+
+
+def remove_folder(folder: Path) -> None:
+    """What a test made, with the files its job users wrote there; a mount left inside is
+    not crossed (``--one-file-system``)."""
+    subprocess.run(["rm", "-rf", "--one-file-system", str(folder)], capture_output=True,
+                   check=False)
 
 
 def node_cache(prefix: str) -> tuple[Path, Path]:
@@ -141,8 +152,11 @@ def system_imgpipe(source: Path) -> Path:
                        timeout=900)
         stamp.touch()
     build = Path(tempfile.mkdtemp(prefix="imgpipe-wheel-"))
-    subprocess.run([*pip, "--no-deps", "--force-reinstall", "--no-build-isolation",
-                    str(source)], check=True, capture_output=True, timeout=300,
-                   env={**os.environ, "TMPDIR": str(build)})
+    try:
+        subprocess.run([*pip, "--no-deps", "--force-reinstall", "--no-build-isolation",
+                        str(source)], check=True, capture_output=True, timeout=300,
+                       env={**os.environ, "TMPDIR": str(build)})
+    finally:
+        shutil.rmtree(build, ignore_errors=True)
     subprocess.run(["chmod", "-R", "a+rX", str(SYSTEM_VENV.parent)], check=True)
     return SYSTEM_VENV / "bin"

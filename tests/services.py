@@ -35,10 +35,34 @@ BASE_IMAGE = "imgpipe/debian-python:bookworm"  # what `imgpipe base-image` makes
 DEBIAN_MIRROR = os.environ.get("IMGPIPE_TEST_MIRROR", "http://deb.debian.org/debian")
 
 
+PORTS_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        port = sock.getsockname()[1]
+    PORTS_HANDED_OUT.add(port)
+    return port
+
+
+def untag_images_of(ports: set[int]) -> int:
+    """Remove the engine's tags for registries the tests started (``127.0.0.1:PORT/...``):
+    those registries are gone when the run ends, and their images would fill the disk run
+    after run.  An image another tag still names stays.  Returns how many tags went."""
+    listed = subprocess.run(["docker", "images", "--format",
+                             "{{.Repository}}\t{{.Tag}}\t{{.ID}}"],
+                            capture_output=True, text=True, check=False)
+    prefixes = tuple(f"127.0.0.1:{port}/" for port in ports)
+    rows = [line.split("\t") for line in listed.stdout.splitlines()]
+    ours = [row for row in rows if len(row) == 3 and row[0].startswith(prefixes)]
+    names = [f"{repository}:{tag}" for repository, tag, _ in ours if tag != "<none>"]
+    untagged = sorted({image for _, tag, image in ours if tag == "<none>"})
+    for chunk in (names[i:i + 50] for i in range(0, len(names), 50)):
+        subprocess.run(["docker", "image", "rm", *chunk], capture_output=True, check=False)
+    if untagged:
+        subprocess.run(["docker", "image", "rm", *untagged], capture_output=True, check=False)
+    return len(names)
 
 
 def wait_for(predicate, deadline_s: float, what: str, interval: float = 0.1) -> None:

@@ -31,6 +31,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def docker_engine() -> Iterator[None]:
     with services.docker_engine():
         yield
+        # The images tagged for this run's registries go with them (see untag_images_of).
+        services.untag_images_of(services.PORTS_HANDED_OUT)
 
 
 @pytest.fixture(scope="session")
