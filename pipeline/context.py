@@ -8,7 +8,10 @@ matches a directory excludes everything below it.
 A staged context is a private copy of the image folder (after .dockerignore)
 plus ``.wheels/``: the wheel directory offered for air-gapped sites (empty
 when none), which Dockerfiles bind-mount in the RUN steps that install Python
-packages.  Staging keeps the user's folder untouched.
+packages; and ``.python/``: the Python packages pip installed on the build host
+for the platform being built (``imgpipe.pipeline.hostpip``; empty for a flavor
+without ``python:``), which Dockerfiles copy into their virtual environment.
+Staging keeps the user's folder untouched.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from imgpipe.base.errors import ConfigError
 from imgpipe.base.files import file_sha256
 
 WHEELS_DIR = ".wheels"
+PYTHON_DIR = ".python"
 
 
 @dataclass(frozen=True)
@@ -149,7 +153,8 @@ def wheels_in(folder: Path | None) -> list[Wheel]:
 
 def stage_context(folder: Path, files: list[ContextFile], wheels_dir: Path | None,
                   dest: Path) -> Path:
-    """Copy the context into ``dest`` with ``.wheels/`` (hard links where possible)."""
+    """Copy the context into ``dest`` with ``.wheels/`` (hard links where possible) and an
+    empty ``.python/``."""
     for item in files:
         target = dest / item.path
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -158,6 +163,7 @@ def stage_context(folder: Path, files: list[ContextFile], wheels_dir: Path | Non
             os.symlink(item.link, target)
         else:
             shutil.copy2(source, target)
+    (dest / PYTHON_DIR).mkdir(exist_ok=True)
     wheels = dest / WHEELS_DIR
     wheels.mkdir(exist_ok=True)
     for wheel in wheels_in(wheels_dir):
