@@ -262,6 +262,11 @@ def run(args: argparse.Namespace) -> int:
         folder.mkdir(parents=True, exist_ok=True)
     corpus, vocab, config = inputs(work)
     spec.root.mkdir(parents=True, exist_ok=True)
+    left = Sandbox.saved(spec.root)
+    if left is not None and left.spec.platforms and left.is_up():
+        say("the sandbox this checkout left up has an emulated node (demo --platforms): "
+            "stopping it")
+        imgpipe("sandbox", "down")
     sandbox_up = imgpipe("sandbox", "up", "--nodes", "2", capture=True)
     cluster = Sandbox.saved(Path(sandbox_up["owner"])) or Sandbox(spec)
     if not sandbox_up["started_here"]:
@@ -398,7 +403,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="./setup.sh demo", description=__doc__.splitlines()[0])
     parser.add_argument("--down", action="store_true",
                         help="stop the sandbox and the registry the demo started")
-    return run(parser.parse_args(argv))
+    parser.add_argument("--platforms", metavar="OS/ARCH,OS/ARCH", default=None,
+                        help="this host's platform and another (linux/amd64,linux/arm64): "
+                        "bert built for both, self-tested, pushed as one index, converted "
+                        "here, and phase 1 trained a few steps on an x86 and an arm64 "
+                        "(emulated) node of the sandbox; outputs in build/demo-platforms")
+    args = parser.parse_args(argv)
+    if args.platforms and not args.down:
+        from imgpipe.commands.demoplatforms import run as run_platforms
+
+        return run_platforms(args)
+    return run(args)
 
 
 if __name__ == "__main__":
