@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import fcntl
 import fnmatch
 import json
 import shutil
@@ -27,7 +28,7 @@ from imgpipe.base.files import atomic_write
 from imgpipe.base.platforms import Platform, host_platform
 from imgpipe.base.progress import Progress
 from imgpipe.pipeline.catalog import Image, PythonPackages
-from imgpipe.pipeline.context import stage_context, wheels_in
+from imgpipe.pipeline.context import stage_context, sync_context, wheels_in
 from imgpipe.pipeline.gitinfo import Revision
 from imgpipe.pipeline.hostpip import (
     HostPip,
@@ -273,40 +274,60 @@ def wheel_cache(settings: Settings) -> Path:
     return settings.path(settings.outputs.state_dir) / "wheels"
 
 
+def context_dir(settings: Settings, item: PlanItem, platform: Platform) -> Path:
+    """Where the context of ``item`` for ``platform`` is kept between builds (a flavor with
+    ``python:``: gigabytes that mostly stay the same)."""
+    return (settings.path(settings.outputs.state_dir) / "contexts" /
+            f"{item.image.name}-{item.flavor}-{platform.tag_suffix}")
+
+
 @contextlib.contextmanager
 def _staged(settings: Settings, item: PlanItem, platform: Platform, wheels_dir: Path | None,
             secrets: Mapping[str, Path], work: Path, progress: Progress
             ) -> Iterator[tuple[Path, Site | None]]:
-    """One platform's build context in ``work``: the image folder as .dockerignore leaves
-    it, the offered wheels, and, for a flavor with ``python:``, ``.python/`` that pip made
-    here for that platform; removed once that platform is built (it may hold gigabytes)."""
-    dest = work / f"context-{platform.tag_suffix}"
-    dest.mkdir()
-    try:
-        context = stage_context(item.image.folder, item.files, wheels_dir, dest)
-        python = item.image.flavor(item.flavor).python
-        site = None
-        if python is not None:
-            pip = HostPip(secrets, wheels_dir, wheel_cache(settings), settings.build.timeout_s,
-                          progress.detail)
-            started = time.monotonic()
-            progress.step(f"pip for {item.key} {platform}, on this host: "
-                          f"{', '.join(python.requirements)}")
-            try:
-                wanted = local_wheels(pip, requirements(python, item.build_args), context,
-                                      item.files)
-                site = stage_site(pip, python, platform, wanted, context, work)
-            finally:
-                progress.done()
-            left = f"; left out, wanted by this host's markers only: {', '.join(site.left_out)}"
-            progress.step(f"pip for {item.key} {platform}: {len(site.wheels)} wheels, "
-                          f"{site.installed / 1e9:.2f} GB, in {time.monotonic() - started:.1f} s"
-                          + ("" if site.compiled else "; bytecode left to the image's imports "
-                             f"(this host's Python is not {python.version})")
-                          + (left if site.left_out else ""))
+    """One platform's build context: the image folder as .dockerignore leaves it and the
+    offered wheels, in ``work`` (removed once that platform is built); for a flavor with
+    ``python:``, in a folder kept between builds (``context_dir``; one build at a time uses
+    it) with ``.python/`` that pip made here for that platform."""
+    python = item.image.flavor(item.flavor).python
+    if python is None:
+        dest = work / f"context-{platform.tag_suffix}"
+        dest.mkdir()
+        try:
+            yield stage_context(item.image.folder, item.files, wheels_dir, dest), None
+        finally:
+            shutil.rmtree(dest, ignore_errors=True)
+        return
+    dest = context_dir(settings, item, platform)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest.with_name(dest.name + ".lock"), "a+") as guard:
+        try:
+            fcntl.lockf(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            progress.step(f"waiting for another build of {item.key} {platform} "
+                          f"({dest} is in use)")
+            fcntl.lockf(guard, fcntl.LOCK_EX)
+        context = sync_context(item.image.folder, item.files, wheels_dir, dest)
+        pip = HostPip(secrets, wheels_dir, wheel_cache(settings), settings.build.timeout_s,
+                      progress.detail)
+        started = time.monotonic()
+        progress.step(f"pip for {item.key} {platform}, on this host: "
+                      f"{', '.join(python.requirements)}")
+        try:
+            wanted = local_wheels(pip, requirements(python, item.build_args), context,
+                                  item.files)
+            site = stage_site(pip, python, platform, wanted, context, work)
+        finally:
+            progress.done()
+        progress.step(f"pip for {item.key} {platform}: {len(site.wheels)} wheels, "
+                      f"{site.installed / 1e9:.2f} GB, in {time.monotonic() - started:.1f} s"
+                      + (" (packages/ as the last build left it: the same wheels)"
+                         if site.reused else "")
+                      + ("" if site.compiled else "; bytecode left to the image's imports "
+                         f"(this host's Python is not {python.version})")
+                      + (f"; left out, wanted by this host's markers only: "
+                         f"{', '.join(site.left_out)}" if site.left_out else ""))
         yield context, site
-    finally:
-        shutil.rmtree(dest, ignore_errors=True)
 
 
 def _with_context(request: BuildRequest, item: PlanItem, context: Path, site: Site | None

@@ -61,6 +61,7 @@ from imgpipe.pipeline.catalog import PythonPackages
 from imgpipe.pipeline.context import PYTHON_DIR, ContextFile
 from imgpipe.pipeline.lock import WheelPin
 
+PACKAGES, PROJECTS = "packages", "projects"  # the two trees of .python/ (Site)
 # Legacy manylinux names (PEP 600): each is one glibc version's tag under another name.
 LEGACY_TAGS = {(2, 17): "manylinux2014", (2, 12): "manylinux2010", (2, 5): "manylinux1"}
 # PyPI's CUDA builds of torch bring these; a +cpu build needs none of them.
@@ -86,13 +87,26 @@ class Wheel:
 
 @dataclass(frozen=True)
 class Site:
-    """``.python/`` of one platform's context: what pip took, and what was left out."""
+    """``.python/`` of one platform's context: what pip took, and what was left out.
+
+    Two trees, each laid out as the prefix (``lib/pythonX.Y/site-packages``, ``bin``) and
+    copied by its own Dockerfile step: ``packages/`` (from the index and the offered
+    wheels: torch and the rest, gigabytes, seldom changed) and ``projects/`` (the image's
+    own projects, ``./trainer``): a change of the trainer leaves torch's layer as it was.
+    """
 
     platform: Platform
     root: Path
     wheels: tuple[Wheel, ...]
     left_out: tuple[str, ...] = ()  # wanted by the host's markers only
     compiled: bool = True
+    reused: bool = False  # packages/ was made by an earlier build from the same wheels
+    python: str = "3.11"
+
+    @property
+    def packages(self) -> Path:
+        """site-packages of ``packages/``."""
+        return self.root / PACKAGES / "lib" / f"python{self.python}" / "site-packages"
 
     def wheel(self, name: str) -> Wheel | None:
         wanted = canonicalize_name(name)
@@ -347,8 +361,9 @@ def fetch(pip: HostPip, spec: PythonPackages, platform: Platform, wheels: list[W
     missing: list[Wheel] = []
     for wheel in wheels:
         cached = pip.cache / wheel.sha256 / wheel.file
-        if wheel.url.startswith("file:"):
-            files[wheel.name] = Path(unquote(urlparse(wheel.url).path))
+        local = _file_of(wheel)
+        if local is not None:
+            files[wheel.name] = local
         elif cached.is_file():
             files[wheel.name] = cached
         else:
@@ -469,7 +484,9 @@ def installed_sizes(packages: Path) -> dict[str, int]:
 
 def stage_site(pip: HostPip, spec: PythonPackages, platform: Platform, wanted: list[str],
                context: Path, work: Path) -> Site:
-    """``.python/`` of ``context`` for ``platform``: resolved, fetched, unpacked, compiled."""
+    """``.python/`` of ``context`` for ``platform``: resolved, fetched, unpacked, compiled.
+    ``packages/`` is kept as an earlier build left it when the same wheels would make it
+    (its stamp says which), so a context kept between builds skips the unpacking."""
     site = context / PYTHON_DIR
     site.mkdir(exist_ok=True)
     report = resolve(pip, spec, platform, wanted, work)
@@ -482,13 +499,47 @@ def stage_site(pip: HostPip, spec: PythonPackages, platform: Platform, wanted: l
                           "in image.yaml")
     wheels = [wheel for wheel, _ in picked if wheel.name in needed]
     left_out = tuple(sorted(wheel.name for wheel, _ in picked if wheel.name not in needed))
-    files = fetch(pip, spec, platform, wheels, work)
-    packages = unpack(pip, spec, platform, wheels, files, site, work)
-    compiled = compile_site(spec, site, packages)
-    sizes = installed_sizes(packages)
+    built_here = (pip.cache / "local").resolve()
+    projects = [w for w in wheels if (found := _file_of(w)) is not None
+                and found.resolve().is_relative_to(built_here)]
+    index = [w for w in wheels if w not in projects]
+    compiled = f"{sys.version_info.major}.{sys.version_info.minor}" == spec.version
+    stamp = json.dumps({"wheels": sorted([w.file, w.sha256] for w in index),
+                        "python": spec.version, "prefix": spec.prefix,
+                        "platform": str(platform), "compiled": compiled}, sort_keys=True)
+    stamp_file = site / f"{PACKAGES}.json"
+    reused = stamp_file.is_file() and stamp_file.read_text() == stamp \
+        and (site / PACKAGES).is_dir()
+    if not reused:
+        stamp_file.unlink(missing_ok=True)
+        shutil.rmtree(site / PACKAGES, ignore_errors=True)
+        _install(pip, spec, platform, index, site / PACKAGES, work)
+        stamp_file.write_text(stamp)
+    shutil.rmtree(site / PROJECTS, ignore_errors=True)
+    _install(pip, spec, platform, projects, site / PROJECTS, work)
+    sizes: dict[str, int] = {}
+    for tree in (PACKAGES, PROJECTS):
+        sizes.update(installed_sizes(site / tree / "lib" / f"python{spec.version}" /
+                                     "site-packages"))
     made = tuple(sorted((Wheel(w.name, w.version, w.file, w.sha256, w.url,
                                sizes.get(w.name, 0)) for w in wheels), key=lambda w: w.name))
-    return Site(platform, site, made, left_out, compiled)
+    return Site(platform, site, made, left_out, compiled, reused, spec.version)
+
+
+def _file_of(wheel: Wheel) -> Path | None:
+    """The local file pip found ``wheel`` in, for a file: URL."""
+    return Path(unquote(urlparse(wheel.url).path)) if wheel.url.startswith("file:") else None
+
+
+def _install(pip: HostPip, spec: PythonPackages, platform: Platform, wheels: list[Wheel],
+             tree: Path, work: Path) -> None:
+    """``wheels`` fetched, unpacked into ``tree`` (laid out as the prefix) and compiled."""
+    tree.mkdir(parents=True)
+    if not wheels:
+        return
+    files = fetch(pip, spec, platform, wheels, work)
+    packages = unpack(pip, spec, platform, wheels, files, tree, work)
+    compile_site(spec, tree, packages)
 
 
 def local_wheels(pip: HostPip, lines: list[str], context: Path,
@@ -531,8 +582,7 @@ def choice_line(key: str, site: Site, spec: PythonPackages) -> str | None:
     wheel = site.wheel(spec.report)
     if wheel is None:
         return None
-    packages = site.root / "lib" / f"python{spec.version}" / "site-packages"
-    cuda = torch_cuda(packages) if wheel.name == "torch" else None
+    cuda = torch_cuda(site.packages) if wheel.name == "torch" else None
     cuda_wheels = [w for w in site.wheels if CUDA_ONLY.match(w.name)]
     extra = sum(w.installed for w in cuda_wheels)
     gb = 1e9

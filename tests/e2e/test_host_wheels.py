@@ -43,7 +43,8 @@ IMAGE_YAML = {
 DOCKERFILE = """\
 ARG BASE_IMAGE
 FROM ${BASE_IMAGE}
-COPY .python/ /opt/venv/
+COPY .python/packages/ /opt/venv/
+COPY .python/projects/ /opt/venv/
 """
 
 

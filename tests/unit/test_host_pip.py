@@ -14,6 +14,7 @@ import functools
 import hashlib
 import http.server
 import json
+import shutil
 import threading
 import zipfile
 from collections.abc import Iterator
@@ -25,9 +26,10 @@ import yaml
 from imgpipe.base.errors import ConfigError, ImgpipeError
 from imgpipe.base.platforms import Platform, host_platform
 from imgpipe.pipeline.catalog import PythonPackages, load_image
-from imgpipe.pipeline.context import context_files
+from imgpipe.pipeline.context import context_files, sync_context
 from imgpipe.pipeline.hostpip import (
     HostPip,
+    Site,
     choice_line,
     local_wheels,
     platform_tags,
@@ -135,9 +137,11 @@ def test_the_offered_cpu_wheel_is_taken_and_otherwise_the_index_build_of_that_ve
 
     # Unpacked as the prefix lays it out: scripts name its python3, modules are compiled
     # (checked by hash: times do not survive the way into an image)
-    packages = cuda.root / "lib" / "python3.11" / "site-packages"
+    packages = cuda.packages
+    assert packages == cuda.root / "packages" / "lib" / "python3.11" / "site-packages"
     assert (packages / "torch" / "version.py").is_file()
-    assert (cuda.root / "bin" / "torchrun").read_text().startswith("#!/opt/venv/bin/python3\n")
+    assert (cuda.root / "packages" / "bin" / "torchrun").read_text().startswith(
+        "#!/opt/venv/bin/python3\n")
     pyc = packages / "torch" / "__pycache__" / "__init__.cpython-311.pyc"
     assert int.from_bytes(pyc.read_bytes()[4:8], "little") == 0b01  # unchecked hash
     assert b"/opt/venv/lib/python3.11/site-packages/torch/__init__.py" in pyc.read_bytes()
@@ -281,3 +285,66 @@ def test_the_lock_and_the_image_label_pin_each_wheel() -> None:
     assert _wheels({"org.imgpipe.python-wheels": label}) == {"torch": pin}
     assert _wheels({"org.imgpipe.python-wheels": "[1, 2]"}) == {}
     assert _wheels({}) == {}
+
+
+def test_a_second_build_from_the_same_wheels_keeps_packages_and_redoes_projects(
+        offered: Path, pip_here: Path, tmp_path: Path) -> None:
+    """The context of a flavor with python: is kept between builds: packages/ (torch and the
+    rest) stays as the last build left it while the same wheels would make it; the image's
+    own projects are unpacked again (their wheels change with their code)."""
+    project = tmp_path / "image" / "app"
+    (project / "app").mkdir(parents=True)
+    (project / "app" / "__init__.py").write_text("X = 1\n")
+    (project / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools>=61"]\nbuild-backend = '
+        '"setuptools.build_meta"\n[project]\nname = "app"\nversion = "1.0"\n'
+        'dependencies = ["torch==2.13.0"]\n')
+    pip = host(pip_here, tmp_path, offered)
+    context = tmp_path / "kept"
+    (context / ".python").mkdir(parents=True)
+    shutil.copytree(project, context / "app")
+    work = tmp_path / "work"
+    work.mkdir()
+
+    def build() -> Site:
+        wanted = local_wheels(pip, ["./app"], context, context_files(context))
+        return stage_site(pip, SPEC, AMD64, wanted, context, work)
+
+    first = build()
+    torch_file = first.packages / "torch" / "__init__.py"
+    assert not first.reused and torch_file.is_file()
+    assert (context / ".python" / "projects" / "lib" / "python3.11" / "site-packages" / "app"
+            / "__init__.py").read_text() == "X = 1\n"
+    made = torch_file.stat().st_mtime_ns
+    (context / "app" / "app" / "__init__.py").write_text("X = 2\n")
+    again = build()
+    assert again.reused and torch_file.stat().st_mtime_ns == made
+    assert (context / ".python" / "projects" / "lib" / "python3.11" / "site-packages" / "app"
+            / "__init__.py").read_text() == "X = 2\n"
+    assert again.wheel("app").sha256 != first.wheel("app").sha256
+    offered_cpu = next(offered.glob("torch-2.13.0+cpu-*.whl"))
+    offered_cpu.rename(tmp_path / offered_cpu.name)  # no +cpu wheel now: another torch
+    other = build()
+    assert not other.reused and other.wheel("torch").version == "2.13.0"
+
+
+def test_a_kept_context_changes_only_what_differs(tmp_path: Path) -> None:
+    folder = tmp_path / "image"
+    (folder / "pkg").mkdir(parents=True)
+    (folder / "pkg" / "a.py").write_text("a\n")
+    (folder / "pkg" / "b.py").write_text("b\n")
+    (folder / "Dockerfile").write_text("FROM scratch\n")
+    dest = tmp_path / "kept"
+    sync_context(folder, context_files(folder), None, dest)
+    (dest / ".python" / "packages").mkdir()
+    kept = (dest / "pkg" / "a.py").stat().st_mtime_ns
+    (folder / "pkg" / "b.py").write_text("changed\n")
+    (folder / "pkg" / "a.py").touch()  # a new time, the same bytes
+    (folder / "gone.txt").write_text("x")
+    sync_context(folder, context_files(folder), None, dest)
+    (folder / "gone.txt").unlink()
+    sync_context(folder, context_files(folder), None, dest)
+    assert (dest / "pkg" / "a.py").stat().st_mtime_ns == kept
+    assert (dest / "pkg" / "b.py").read_text() == "changed\n"
+    assert not (dest / "gone.txt").exists()
+    assert (dest / ".python" / "packages").is_dir()  # hostpip's, left alone
