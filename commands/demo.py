@@ -187,9 +187,10 @@ def job_info(cluster: Sandbox, job: Job) -> None:
     job.elapsed = fields.get("RunTime", job.elapsed)
 
 
-def last_step(results: Path, phase: int) -> tuple[int | None, float | None]:
+def last_step(results: Path, phase: int, job_id: str = "") -> tuple[int | None, float | None]:
+    """The last logged step and loss of ``phase`` (of job ``job_id`` alone, when given)."""
     step = loss = None
-    for path in results.glob(f"*/bert_phase{phase}.jsonl"):
+    for path in results.glob(f"*{'-' + job_id if job_id else ''}/bert_phase{phase}.jsonl"):
         for line in path.read_text(errors="replace").splitlines()[-5:]:
             try:
                 event = json.loads(line)
@@ -224,7 +225,7 @@ def submit_and_wait(cluster: Sandbox, recipes: Path, jobs_dir: Path, job: Job, a
     while True:
         job_info(cluster, job)
         if phase:
-            job.step, job.loss = last_step(results, phase)
+            job.step, job.loss = last_step(results, phase, job.id)
         now, line = time.monotonic(), show(all_jobs)
         # A terminal gets a heartbeat every 3 s; a log a line only when something changed.
         if (now - last_print >= 3) if on_terminal else line != shown:
