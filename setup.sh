@@ -6,7 +6,10 @@
 #                     Slurm sandbox (head + 2 compute hosts), dataset.sub, run.sub phase 1
 #                     and 2, nccl.sub in containers, and a report (outputs under ./build,
 #                     lock in ./imgpipe.lock).  Idempotent.  `./setup.sh demo --down` stops
-#                     the sandbox and the registry.
+#                     the sandbox and the registry.  `./setup.sh demo --platforms
+#                     linux/amd64,linux/arm64`: bert for x86 and Grace (arm64, emulated here),
+#                     one index, phase 1 a few steps on an x86 and an arm64 sandbox node
+#                     (build/demo-platforms; downloads PyPI's aarch64 torch, ~2.9 GB, once).
 #   ./setup.sh test   install, then run the whole test suite (the tests start and
 #                     stop the engine and registries they need)
 #   ./setup.sh check  install, then the static checks alone: ruff, mypy, import-linter
@@ -120,6 +123,6 @@ case "$mode" in
     ;;
   demo)
     if [ "${2:-}" != "--down" ]; then start_engine; fi
-    exec .venv/bin/python -m imgpipe.commands.demo "${@:2}"
+    exec .venv/bin/python -m imgpipe.commands.democli "${@:2}"
     ;;
 esac

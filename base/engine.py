@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from imgpipe.base.errors import CommandError, ImgpipeError
+from imgpipe.base.platforms import Platform, emulated_cpuinfo, emulation_env
 from imgpipe.base.process import Completed, last_error_line, require, run, stream
 
 NO_ENGINE_HINT = "start one: dockerd --bridge=none --iptables=false & (or ./setup.sh)"
@@ -241,10 +242,21 @@ def run_in_container(client: BuildClient, image: str, argv: list[str],
                      on_line: Callable[[str], None], timeout: float, what: str,
                      platform: str | None = None) -> Completed:
     """``docker run --rm --network=none image argv…`` (a self-test), its output line by line;
-    ``platform``: run that platform's image (emulated where the host cannot run it)."""
+    ``platform``: run that platform's image (emulated where the host cannot run it: on the
+    CPU and with the /proc/cpuinfo that ``imgpipe.base.platforms`` names for it)."""
     options = ["--platform", platform] if platform else []
-    return stream([client.path, "run", "--rm", "--network=none", *options, image, *argv],
-                  on_line, timeout=timeout, env=client.env or None, what=what)
+    emulated = Platform.parse(platform) if platform and not client.docker_host else None
+    cpuinfo = emulated_cpuinfo(emulated) if emulated else None
+    with tempfile.TemporaryDirectory(prefix="imgpipe-cpuinfo-") as work:
+        if emulated is not None and cpuinfo is not None:
+            path = Path(work) / "cpuinfo"
+            path.write_text(cpuinfo)
+            os.chmod(work, 0o755)
+            options += ["--volume", f"{path}:/proc/cpuinfo:ro"]
+            for name, value in emulation_env(emulated).items():
+                options += ["--env", f"{name}={value}"]
+        return stream([client.path, "run", "--rm", "--network=none", *options, image, *argv],
+                      on_line, timeout=timeout, env=client.env or None, what=what)
 
 
 class Engine:

@@ -1,4 +1,4 @@
-"""The main job on this machine: ``./setup.sh demo`` (``python -m imgpipe.commands.demo``).
+"""The main job on this machine: ``./setup.sh demo`` (``python -m imgpipe.commands.democli``).
 
 What a team does on a cluster, with the commands a user types, on a local sandbox:
 
@@ -187,9 +187,10 @@ def job_info(cluster: Sandbox, job: Job) -> None:
     job.elapsed = fields.get("RunTime", job.elapsed)
 
 
-def last_step(results: Path, phase: int) -> tuple[int | None, float | None]:
+def last_step(results: Path, phase: int, job_id: str = "") -> tuple[int | None, float | None]:
+    """The last logged step and loss of ``phase`` (of job ``job_id`` alone, when given)."""
     step = loss = None
-    for path in results.glob(f"*/bert_phase{phase}.jsonl"):
+    for path in results.glob(f"*{'-' + job_id if job_id else ''}/bert_phase{phase}.jsonl"):
         for line in path.read_text(errors="replace").splitlines()[-5:]:
             try:
                 event = json.loads(line)
@@ -224,7 +225,7 @@ def submit_and_wait(cluster: Sandbox, recipes: Path, jobs_dir: Path, job: Job, a
     while True:
         job_info(cluster, job)
         if phase:
-            job.step, job.loss = last_step(results, phase)
+            job.step, job.loss = last_step(results, phase, job.id)
         now, line = time.monotonic(), show(all_jobs)
         # A terminal gets a heartbeat every 3 s; a log a line only when something changed.
         if (now - last_print >= 3) if on_terminal else line != shown:
@@ -262,6 +263,11 @@ def run(args: argparse.Namespace) -> int:
         folder.mkdir(parents=True, exist_ok=True)
     corpus, vocab, config = inputs(work)
     spec.root.mkdir(parents=True, exist_ok=True)
+    left = Sandbox.saved(spec.root)
+    if left is not None and left.spec.platforms and left.is_up():
+        say("the sandbox this checkout left up has an emulated node (demo --platforms): "
+            "stopping it")
+        imgpipe("sandbox", "down")
     sandbox_up = imgpipe("sandbox", "up", "--nodes", "2", capture=True)
     cluster = Sandbox.saved(Path(sandbox_up["owner"])) or Sandbox(spec)
     if not sandbox_up["started_here"]:
@@ -392,14 +398,3 @@ def print_summary(pins: dict[str, str], jobs: list[Job], made: dict[str, Any], r
     print(f"  report           {made['report']}")
     print(f"  recipes          {recipes}")
     print(f"  time             {seconds:.0f} s")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="./setup.sh demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--down", action="store_true",
-                        help="stop the sandbox and the registry the demo started")
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

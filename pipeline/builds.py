@@ -7,12 +7,15 @@ exactly which bytes to send and which hash to record.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import fcntl
 import fnmatch
 import json
+import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -24,10 +27,18 @@ from imgpipe.base.errors import ConfigError, ImgpipeError
 from imgpipe.base.files import atomic_write
 from imgpipe.base.platforms import Platform, host_platform
 from imgpipe.base.progress import Progress
-from imgpipe.pipeline.catalog import Image
-from imgpipe.pipeline.context import stage_context, wheels_in
+from imgpipe.pipeline.catalog import Image, PythonPackages
+from imgpipe.pipeline.context import stage_context, sync_context, wheels_in
 from imgpipe.pipeline.gitinfo import Revision
-from imgpipe.pipeline.lock import LockFile
+from imgpipe.pipeline.hostpip import (
+    HostPip,
+    Site,
+    choice_line,
+    local_wheels,
+    requirements,
+    stage_site,
+)
+from imgpipe.pipeline.lock import LockFile, WheelPin
 from imgpipe.pipeline.plan import PlanItem, plan_image
 from imgpipe.pipeline.secrets import secret_files
 from imgpipe.registry.client import RegistryClient
@@ -37,6 +48,8 @@ LABEL_PREFIX = "org.opencontainers.image"
 HASH_LABEL = "org.imgpipe.input-hash"
 INPUTS_LABEL = "org.imgpipe.inputs"  # each input's hash: what `plan` names as changed
 FLAVOR_LABEL = "org.imgpipe.flavor"
+# What pip installed on the build host (image.yaml's python:): {name: {file, sha256}}
+WHEELS_LABEL = "org.imgpipe.python-wheels"
 
 
 class BuildRecord(BaseModel):
@@ -55,6 +68,8 @@ class BuildRecord(BaseModel):
     # An index build: platform -> the image ID built for it, tagged locally by
     # ``platform_tag``; ``image_id`` is then the first platform's
     platforms: dict[str, str] = {}
+    # platform -> project name -> the wheel pip installed on the build host
+    python_wheels: dict[str, dict[str, WheelPin]] = {}
 
     def platform_tag(self, platform: str) -> str:
         """``repository:<first tag>-<arch>``: where one platform's image waits for push
@@ -179,6 +194,7 @@ class BuildOutcome:
     image_id: str | None = None
     tags: tuple[str, ...] = ()
     seconds: float = 0.0
+    notes: tuple[str, ...] = ()  # which torch each platform took, and what it costs
 
 
 def build_item(settings: Settings, client: BuildClient, item: PlanItem,
@@ -203,34 +219,127 @@ def build_item(settings: Settings, client: BuildClient, item: PlanItem,
     progress.step(f"build {item.key}: {item.reason}")
     labels = labels_for(item, revision, now)
     built: dict[str, str] = {}
+    single: str | None = None  # the image ID of a one-manifest build
+    wheels: dict[str, dict[str, WheelPin]] = {}
+    notes: list[str] = []
     with tempfile.TemporaryDirectory(prefix=f"imgpipe-context-{item.image.name}-") as staged:
-        context = stage_context(item.image.folder, item.files, wheels_dir, Path(staged))
         with secret_files(settings, list(item.image.spec.secrets), secret_overrides) as secrets:
             request = BuildRequest(
-                context=context, dockerfile=context / item.image.spec.dockerfile,
+                context=Path(staged), dockerfile=Path(staged) / item.image.spec.dockerfile,
                 tags=[f"{repository}:{name}" for name in names], build_args=item.build_args,
                 labels=labels, secrets=secrets,
                 timeout_s=settings.build.timeout_s, cache=cache,
                 cache_from=cache_refs(settings, client, repository, item),
             )
-            for platform in item.platforms:
-                built[str(platform)] = _build_platform(settings, client, item, request,
-                                                       platform, progress)
-            try:
-                image_id = (next(iter(built.values())) if built
-                            else run_build(client, request, progress.detail))
-            finally:
-                progress.done()
+            for platform in item.platforms or (host_platform(),):
+                with _staged(settings, item, platform, wheels_dir, secrets, Path(staged),
+                             progress) as (context, site):
+                    request_here = _with_context(request, item, context, site)
+                    if site is not None:
+                        wheels[str(platform)] = site.pins
+                        note = choice_line(item.key, site, _python(item))
+                        if note:
+                            notes.append(note)
+                            progress.step(note)
+                    if item.platforms:
+                        built[str(platform)] = _build_platform(settings, client, item,
+                                                               request_here, platform, progress)
+                        continue
+                    try:
+                        single = run_build(client, request_here, progress.detail)
+                    finally:
+                        progress.done()
+    image_id = next(iter(built.values())) if built else single
+    assert image_id is not None
     seconds = time.monotonic() - started
     write_record(settings, BuildRecord(
         image=item.image.name, flavor=item.flavor, image_id=image_id, repository=repository,
         tags=names, input_hash=item.input_hash, inputs=item.inputs,
         base=item.build_args["BASE_IMAGE"], base_digest=item.base_digest, built_at=now,
         build_args=item.build_args, wheels_dir=str(wheels_dir) if wheels_dir else None,
-        platforms=built))
+        platforms=built, python_wheels=wheels))
     progress.step(f"built {item.key} in {seconds:.1f} s: {image_id[:19]}")
     return BuildOutcome(item.image.name, item.flavor, "built", item.reason, image_id,
-                        tuple(names), seconds)
+                        tuple(names), seconds, tuple(notes))
+
+
+def _python(item: PlanItem) -> PythonPackages:
+    python = item.image.flavor(item.flavor).python
+    assert python is not None
+    return python
+
+
+def wheel_cache(settings: Settings) -> Path:
+    """Where wheels pip fetched on the build host are kept, each under its sha256."""
+    return settings.path(settings.outputs.state_dir) / "wheels"
+
+
+def context_dir(settings: Settings, item: PlanItem, platform: Platform) -> Path:
+    """Where the context of ``item`` for ``platform`` is kept between builds (a flavor with
+    ``python:``: gigabytes that mostly stay the same)."""
+    return (settings.path(settings.outputs.state_dir) / "contexts" /
+            f"{item.image.name}-{item.flavor}-{platform.tag_suffix}")
+
+
+@contextlib.contextmanager
+def _staged(settings: Settings, item: PlanItem, platform: Platform, wheels_dir: Path | None,
+            secrets: Mapping[str, Path], work: Path, progress: Progress
+            ) -> Iterator[tuple[Path, Site | None]]:
+    """One platform's build context: the image folder as .dockerignore leaves it and the
+    offered wheels, in ``work`` (removed once that platform is built); for a flavor with
+    ``python:``, in a folder kept between builds (``context_dir``; one build at a time uses
+    it) with ``.python/`` that pip made here for that platform."""
+    python = item.image.flavor(item.flavor).python
+    if python is None:
+        dest = work / f"context-{platform.tag_suffix}"
+        dest.mkdir()
+        try:
+            yield stage_context(item.image.folder, item.files, wheels_dir, dest), None
+        finally:
+            shutil.rmtree(dest, ignore_errors=True)
+        return
+    dest = context_dir(settings, item, platform)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest.with_name(dest.name + ".lock"), "a+") as guard:
+        try:
+            fcntl.lockf(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            progress.step(f"waiting for another build of {item.key} {platform} "
+                          f"({dest} is in use)")
+            fcntl.lockf(guard, fcntl.LOCK_EX)
+        context = sync_context(item.image.folder, item.files, wheels_dir, dest)
+        pip = HostPip(secrets, wheels_dir, wheel_cache(settings), settings.build.timeout_s,
+                      progress.detail)
+        started = time.monotonic()
+        progress.step(f"pip for {item.key} {platform}, on this host: "
+                      f"{', '.join(python.requirements)}")
+        try:
+            wanted = local_wheels(pip, requirements(python, item.build_args), context,
+                                  item.files)
+            site = stage_site(pip, python, platform, wanted, context, work)
+        finally:
+            progress.done()
+        progress.step(f"pip for {item.key} {platform}: {len(site.wheels)} wheels, "
+                      f"{site.installed / 1e9:.2f} GB, in {time.monotonic() - started:.1f} s"
+                      + (" (packages/ as the last build left it: the same wheels)"
+                         if site.reused else "")
+                      + ("" if site.compiled else "; bytecode left to the image's imports "
+                         f"(this host's Python is not {python.version})")
+                      + (f"; left out, wanted by this host's markers only: "
+                         f"{', '.join(site.left_out)}" if site.left_out else ""))
+        yield context, site
+
+
+def _with_context(request: BuildRequest, item: PlanItem, context: Path, site: Site | None
+                  ) -> BuildRequest:
+    """``request`` for one platform's context, labelled with the wheels pip installed."""
+    labels = dict(request.labels)
+    if site is not None:
+        labels[WHEELS_LABEL] = json.dumps(
+            {name: pin.model_dump() for name, pin in sorted(site.pins.items())},
+            sort_keys=True, separators=(",", ":"))
+    return replace(request, context=context, dockerfile=context / item.image.spec.dockerfile,
+                   labels=labels)
 
 
 def _build_platform(settings: Settings, client: BuildClient, item: PlanItem,

@@ -11,7 +11,14 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from imgpipe.base.config import Settings, format_validation_error
 from imgpipe.base.errors import ConfigError
@@ -25,6 +32,27 @@ ARG_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PythonPackages(_Strict):
+    """Python packages that pip resolves, fetches and unpacks on the build host, for the
+    platform each build makes (``pip --platform``), into ``.python/`` of that build's
+    context, which the Dockerfile copies to ``prefix``: nothing of pip runs in the image,
+    under emulation least of all."""
+
+    version: str = Field(pattern=r"^3\.\d+$", description="the base image's Python (3.11): "
+                         "the wheels' interpreter tags, and the build checks it")
+    glibc: str = Field(pattern=r"^2\.\d+$", description="the base image's C library (Debian "
+                       "12: 2.36): manylinux wheels up to this one are taken")
+    requirements: list[str] = Field(min_length=1, description="pip requirements; ${NAME} is "
+                                    "the flavor's build arg NAME, ./path a project folder in "
+                                    "the image folder (built on the host)")
+    prefix: str = Field(default="/opt/venv", pattern=r"^/[A-Za-z0-9._/-]+$",
+                        description="the virtual environment the Dockerfile copies .python/ "
+                        "into: scripts' #! lines name its python3")
+    report: str | None = Field(default="torch", description="the package whose wheel the "
+                               "build names in one line (which build, what it adds to the "
+                               "image) and the lock pins per platform, with every other")
 
 
 class Flavor(_Strict):
@@ -41,6 +69,18 @@ class Flavor(_Strict):
         "another image (an engine holds one platform per tag: imgpipe base-image --platform "
         "linux/arm64 makes imgpipe/debian-python:bookworm-arm64); a multi-platform index "
         "(NGC's) needs none")
+    python: PythonPackages | None = Field(default=None, description="Python packages pip "
+                                          "installs on the build host for each platform")
+
+    @model_validator(mode="after")
+    def _python_args(self) -> Flavor:
+        if self.python is not None:
+            for line in self.python.requirements:
+                for name in re.findall(r"\$\{([^}]*)\}", line):
+                    if name not in self.build_args:
+                        raise ValueError(f"python.requirements: ${{{name}}} is not a build "
+                                         "arg of the flavor (add it under build_args)")
+        return self
 
     @field_validator("platform_bases")
     @classmethod

@@ -8,11 +8,15 @@ matches a directory excludes everything below it.
 A staged context is a private copy of the image folder (after .dockerignore)
 plus ``.wheels/``: the wheel directory offered for air-gapped sites (empty
 when none), which Dockerfiles bind-mount in the RUN steps that install Python
-packages.  Staging keeps the user's folder untouched.
+packages; and ``.python/``: the Python packages pip installed on the build host
+for the platform being built (``imgpipe.pipeline.hostpip``; empty for a flavor
+without ``python:``), which Dockerfiles copy into their virtual environment.
+Staging keeps the user's folder untouched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -24,6 +28,7 @@ from imgpipe.base.errors import ConfigError
 from imgpipe.base.files import file_sha256
 
 WHEELS_DIR = ".wheels"
+PYTHON_DIR = ".python"
 
 
 @dataclass(frozen=True)
@@ -149,7 +154,8 @@ def wheels_in(folder: Path | None) -> list[Wheel]:
 
 def stage_context(folder: Path, files: list[ContextFile], wheels_dir: Path | None,
                   dest: Path) -> Path:
-    """Copy the context into ``dest`` with ``.wheels/`` (hard links where possible)."""
+    """Copy the context into ``dest`` with ``.wheels/`` (hard links where possible) and an
+    empty ``.python/``."""
     for item in files:
         target = dest / item.path
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -158,6 +164,7 @@ def stage_context(folder: Path, files: list[ContextFile], wheels_dir: Path | Non
             os.symlink(item.link, target)
         else:
             shutil.copy2(source, target)
+    (dest / PYTHON_DIR).mkdir(exist_ok=True)
     wheels = dest / WHEELS_DIR
     wheels.mkdir(exist_ok=True)
     for wheel in wheels_in(wheels_dir):
@@ -167,3 +174,62 @@ def stage_context(folder: Path, files: list[ContextFile], wheels_dir: Path | Non
         except OSError:
             shutil.copy2(source, wheels / wheel.name)
     return dest
+
+
+def sync_context(folder: Path, files: list[ContextFile], wheels_dir: Path | None,
+                 dest: Path) -> Path:
+    """``stage_context`` into ``dest``, a folder kept between builds, changing only what
+    differs (an unchanged file keeps its time): BuildKit then sends only what changed and
+    keeps one snapshot of the context, not one per build.  ``.python/`` is its maker's."""
+    dest.mkdir(parents=True, exist_ok=True)
+    wanted = {item.path for item in files}
+    for item in files:
+        target = dest / item.path
+        if item.link is not None:
+            if target.is_symlink() and os.readlink(target) == item.link:
+                continue
+            _clear(target)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(item.link, target)
+            continue
+        if (target.is_file() and not target.is_symlink()
+                and file_sha256(target) == item.digest):
+            if target.stat().st_mode & 0o7777 != item.mode:
+                os.chmod(target, item.mode)
+            continue
+        _clear(target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(folder / item.path, target)
+    for root, dirs, names in os.walk(dest, topdown=False):
+        rel = os.path.relpath(root, dest)
+        if rel.split(os.sep)[0] in (WHEELS_DIR, PYTHON_DIR):
+            continue
+        prefix = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+        for name in names + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            if prefix + name not in wanted:
+                os.unlink(os.path.join(root, name))
+        if prefix and not any(w.startswith(prefix) for w in wanted):
+            with contextlib.suppress(OSError):
+                os.rmdir(root)
+    wheels = dest / WHEELS_DIR
+    wheels.mkdir(exist_ok=True)
+    offered = {wheel.name: wheel for wheel in wheels_in(wheels_dir)}
+    for present in wheels.iterdir():
+        if present.name not in offered or file_sha256(present) != offered[present.name].sha256:
+            _clear(present)
+    for name in offered:
+        if not (wheels / name).exists():
+            source = wheels_dir / name  # type: ignore[operator]
+            try:
+                os.link(source, wheels / name)
+            except OSError:
+                shutil.copy2(source, wheels / name)
+    (dest / PYTHON_DIR).mkdir(exist_ok=True)
+    return dest
+
+
+def _clear(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()

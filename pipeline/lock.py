@@ -25,6 +25,13 @@ LOCK_NAME = "imgpipe.lock"
 LOCK_VERSION = 1
 
 
+class WheelPin(BaseModel):
+    """A wheel pip installed into the image on the build host: its file and its sha256."""
+
+    file: str
+    sha256: str
+
+
 class PlatformPin(BaseModel):
     """One platform's manifest under an index build, and its squashfs files."""
 
@@ -36,6 +43,8 @@ class PlatformPin(BaseModel):
     squashfs: str | None = None
     squashfs_sha256: str | None = None
     squashfs_digests: dict[str, str] = {}
+    # project name -> the wheel pip installed on the build host for this platform
+    python_wheels: dict[str, WheelPin] = {}
 
     def squashfs_file(self) -> SquashfsPath | None:
         return SquashfsPath.checked(self.squashfs) if self.squashfs else None
@@ -64,6 +73,9 @@ class LockEntry(BaseModel):
     wheels_dir: str | None = None  # the wheels folder the build was offered
     # An index build: ``digest`` is the index, each platform's manifest is here
     platforms: dict[str, PlatformPin] = {}
+    # A one-manifest build: the wheels pip installed on the build host (image.yaml's
+    # python:), by project name; an index build keeps them per platform
+    python_wheels: dict[str, WheelPin] = {}
 
     def platform_pin(self, platform: Platform) -> PlatformPin:
         """The manifest of ``platform`` in an index build; NotPushedError naming what the

@@ -115,7 +115,8 @@ def _push_index(client: BuildClient, registry: RegistryClient, record: BuildReco
         raise RegistryError(f"after the push, the tags of {record.repository} do not all point "
                             f"to the index {index}: {pushed}")
     first = next(iter(manifests.values()))
-    pins = {str(p): PlatformPin(digest=m.digest, config_digest=m.config_digest, size=m.size)
+    pins = {str(p): PlatformPin(digest=m.digest, config_digest=m.config_digest, size=m.size,
+                                python_wheels=record.python_wheels.get(str(p), {}))
             for p, m in manifests.items()}
     return _record(record, lock_file, index, first, time.monotonic() - started, progress,
                    pins)
@@ -130,6 +131,8 @@ def _record(record: BuildRecord, lock_file: Path, digest: str, manifest: Manifes
         inputs=record.inputs, flavor=record.flavor, base=record.base,
         base_digest=record.base_digest, size=manifest.size, build_args=record.build_args,
         wheels_dir=record.wheels_dir, platforms=platforms or {},
+        # a one-manifest build made one platform's wheels
+        python_wheels={} if platforms else next(iter(record.python_wheels.values()), {}),
         pushed_at=dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat(),
     )
     with updating_lock(lock_file) as lock:

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 
+from pydantic import ValidationError
+
 from imgpipe.base.errors import ImgpipeError
 from imgpipe.base.platforms import host_platform
-from imgpipe.pipeline.builds import HASH_LABEL, INPUTS_LABEL, LABEL_PREFIX
+from imgpipe.pipeline.builds import HASH_LABEL, INPUTS_LABEL, LABEL_PREFIX, WHEELS_LABEL
 from imgpipe.pipeline.catalog import Image
-from imgpipe.pipeline.lock import LockEntry, PlatformPin
+from imgpipe.pipeline.lock import LockEntry, PlatformPin, WheelPin
 from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.platformindex import platform_digests
 
@@ -34,12 +36,12 @@ def pushed_entry(client: RegistryClient, image: Image, flavor: str) -> LockEntry
     platforms: dict[str, PlatformPin] = {}
     for platform, child in platform_digests(client, repository, digest).items():
         held = client.manifest_exactly(repository, child)
-        platforms[str(platform)] = PlatformPin(digest=child, config_digest=held.config_digest,
-                                               size=held.size)
+        platforms[str(platform)] = PlatformPin(
+            digest=child, config_digest=held.config_digest, size=held.size,
+            python_wheels=_wheels(_labels(client, repository, held.config_digest)))
     own = platforms.get(str(host_platform())) or next(iter(platforms.values()), None)
     manifest = client.manifest_exactly(repository, own.digest if own else digest)
-    labels = (client.image_config(repository, manifest.config_digest).get("config") or {}
-              ).get("Labels") or {}
+    labels = _labels(client, repository, manifest.config_digest)
     input_hash = labels.get(HASH_LABEL)
     if not input_hash:
         return None
@@ -53,7 +55,23 @@ def pushed_entry(client: RegistryClient, image: Image, flavor: str) -> LockEntry
         inputs={str(k): str(v) for k, v in inputs.items()} if isinstance(inputs, dict) else {},
         flavor=flavor, base=labels.get(f"{LABEL_PREFIX}.base.name", ""),
         size=manifest.size, pushed_at=labels.get(f"{LABEL_PREFIX}.created", "in the registry"),
-        platforms=platforms)
+        platforms=platforms, python_wheels={} if platforms else _wheels(labels))
+
+
+def _labels(client: RegistryClient, repository: str, config_digest: str) -> dict[str, str]:
+    config = client.image_config(repository, config_digest).get("config") or {}
+    labels = config.get("Labels") or {}
+    return {str(k): str(v) for k, v in labels.items()} if isinstance(labels, dict) else {}
+
+
+def _wheels(labels: dict[str, str]) -> dict[str, WheelPin]:
+    """The wheels a build's label says pip installed on its build host (none when the label
+    is absent or not what imgpipe writes)."""
+    try:
+        raw = json.loads(labels.get(WHEELS_LABEL) or "{}")
+        return {str(name): WheelPin.model_validate(pin) for name, pin in raw.items()}
+    except (ValueError, AttributeError, ValidationError):
+        return {}
 
 
 def pushed_entries(client: RegistryClient, images: list[Image], flavor: str

@@ -300,14 +300,16 @@ def _provenance(results: Results, page_dir: Path) -> list[str]:
     if pins:
         parts.append("<h2>Pinned images</h2>" + _table(
             ["what", "value"], [[k, v] for k, v in pins.items()], "pins"))
-        pinned = str(pins.get("digest", ""))
+        # "digest", or one per platform ("digest linux/arm64") where the jobs ran on several
+        pinned = sorted(str(v) for k, v in pins.items() if k == "digest" or
+                        k.startswith("digest "))
         other = {name: image for name, image in results.ran_in.items()
                  if pinned and name in results.trained and image.startswith("sha256:")
-                 and image != pinned}
+                 and image not in pinned}
         for name, image in sorted(other.items()):
             parts.append(f"<p class='fail image-mismatch'>{html.escape(name)} ran in "
-                         f"{html.escape(image)}, not the pinned {html.escape(pinned)}: its "
-                         "curves and exports are that image's</p>")
+                         f"{html.escape(image)}, not the pinned {html.escape(' or '.join(pinned))}"
+                         ": its curves and exports are that image's</p>")
     if results.exports:
         parts.append("<h2>Exported models</h2>" + _table(
             ["folder", "layout", "phase", "step", "loss", "image"],

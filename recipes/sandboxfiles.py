@@ -9,7 +9,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from imgpipe.base.platforms import PLATFORM_ENV, Platform, host_platform
+from imgpipe.base.platforms import (
+    PLATFORM_ENV,
+    Platform,
+    emulated_cpuinfo,
+    emulation_env,
+    host_platform,
+)
 
 MUNGE_SOCKET = "munge/munge.socket"
 SLURMD_PORT = 6818
@@ -98,8 +104,17 @@ def write_config(spec: SandboxSpec, root: Path) -> Path:
                   f"CPUs={spec.cpus} RealMemory={spec.memory_mb} {gpus}"
                   f"Features={spec.node_platform(h).architecture} State=UNKNOWN"
                   for h in spec.nodes]
-    prolog = write_platform_prolog(root, {h.name: spec.node_platform(h) for h in spec.nodes
-                                          if spec.node_platform(h) != host_platform()})
+    emulated = {h.name: spec.node_platform(h) for h in spec.nodes
+                if spec.node_platform(h) != host_platform()}
+    prolog = write_platform_prolog(root, emulated)
+    for host in spec.nodes:  # each emulated host's /proc/cpuinfo (boot.sh mounts it)
+        cpuinfo = emulated_cpuinfo(emulated[host.name]) if host.name in emulated else None
+        path = root / f"cpuinfo-{host.name}"
+        if cpuinfo is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_text(cpuinfo)
+            os.chmod(path, 0o644)
     conf.write_text("\n".join([
         f"ClusterName={spec.name}-sandbox",
         f"SlurmctldHost={spec.head.name}({spec.head.address})",
@@ -153,13 +168,16 @@ def write_config(spec: SandboxSpec, root: Path) -> Path:
 def write_platform_prolog(root: Path, emulated: dict[str, Platform]) -> Path | None:
     """Slurm's TaskProlog for hosts that stand for another platform: it gives their tasks
     ``IMGPIPE_PLATFORM`` (what ``uname -m`` says on a real node of that platform), which the
-    importer and the job scripts read.  None (and no file) when every host is this one's."""
+    importer and the job scripts read, and the CPU qemu emulates for them
+    (``emulation_env``).  None (and no file) when every host is this one's."""
     path = root / "taskprolog.sh"
     if not emulated:
         path.unlink(missing_ok=True)
         return None
-    cases = "".join(f'  {name}) echo "export {PLATFORM_ENV}={platform}" ;;\n'
-                    for name, platform in sorted(emulated.items()))
+    cases = "".join(
+        f'  {name}) echo "export {PLATFORM_ENV}={platform}"'
+        + "".join(f'; echo "export {k}={v}"' for k, v in emulation_env(platform).items())
+        + " ;;\n" for name, platform in sorted(emulated.items()))
     path.write_text(f'#!/bin/sh\ncase "${{SLURMD_NODENAME:-$(hostname)}}" in\n{cases}esac\n')
     os.chmod(path, 0o755)
     return path
@@ -179,9 +197,16 @@ def write_boot_script(root: Path) -> None:
     # Node-local scratch, as real nodes have: /dev/shm (where a node's tasks meet)
     # and /var/tmp (ch-run's squashfs mount points).  /tmp stays shared, standing in
     # for the cluster file system.
+    # A host that stands for another platform shows its jobs that platform's /proc/cpuinfo
+    # (write_config writes it): qemu-user shows this machine's, which PyTorch's aarch64
+    # libraries die on (base.platforms.emulated_cpuinfo).
+    cpuinfo = root / "cpuinfo-"
     lines += ["fi",
               "mount -t tmpfs -o mode=1777,size=50% tmpfs /dev/shm",
               "mount -t tmpfs -o mode=1777 tmpfs /var/tmp",
+              f'if [ -f "{cpuinfo}$(hostname)" ]; then',
+              f'  mount --bind "{cpuinfo}$(hostname)" /proc/cpuinfo',
+              "fi",
               'exec "$@"', ""]
     (root / "boot.sh").write_text("\n".join(lines))
 

@@ -158,9 +158,37 @@ def test_an_emulated_sandbox_host_tells_its_tasks_their_platform(tmp_path: Path)
         return subprocess.run([str(prolog)], env={"SLURMD_NODENAME": node, "PATH": "/bin"},
                               capture_output=True, text=True, check=True).stdout
 
-    assert told("node2") == "export IMGPIPE_PLATFORM=linux/arm64\n"
+    # and the CPU qemu emulates for them (not qemu's default: its SVE is 10x slower)
+    assert told("node2") == "export IMGPIPE_PLATFORM=linux/arm64\nexport QEMU_CPU=neoverse-n1\n"
     assert told("node1") == ""
     assert write_platform_prolog(tmp_path, {}) is None and not prolog.exists()
+
+
+def test_an_emulated_arm64_host_shows_an_arm_proc_cpuinfo(tmp_path: Path) -> None:
+    """qemu-user 7.2 shows aarch64 programs this host's x86 /proc/cpuinfo, and `import torch`
+    dies on it (PyTorch's cpuinfo finds no Arm core): emulated containers and sandbox hosts
+    get an Arm one, as many entries as this host has CPUs, the emulated core's part."""
+    from imgpipe.base.platforms import emulated_cpuinfo, emulation_env
+    from imgpipe.recipes.sandboxfiles import SandboxSpec, write_boot_script, write_config
+
+    other = ARM if host_platform() != ARM else Platform.parse("linux/amd64")
+    text = emulated_cpuinfo(ARM, cpus=3)
+    if other == ARM:
+        assert text is not None
+        assert text.count("processor\t:") == 3 and "CPU implementer\t: 0x41" in text
+        assert "CPU part\t: 0xd0c" in text and "Features\t: fp asimd" in text
+        assert emulation_env(ARM) == {"QEMU_CPU": "neoverse-n1"}
+    assert emulated_cpuinfo(host_platform()) is None and emulation_env(host_platform()) == {}
+
+    spec = SandboxSpec(tmp_path, platforms=f"node2={other}")
+    write_config(spec, tmp_path)
+    write_boot_script(tmp_path)
+    assert (tmp_path / "cpuinfo-node2").exists() == (other == ARM)
+    assert not (tmp_path / "cpuinfo-node1").exists()
+    boot = (tmp_path / "boot.sh").read_text()
+    assert f'mount --bind "{tmp_path}/cpuinfo-$(hostname)" /proc/cpuinfo' in boot
+    write_config(SandboxSpec(tmp_path), tmp_path)  # node2 back to this host's platform
+    assert not (tmp_path / "cpuinfo-node2").exists()
 
 
 def test_the_job_scripts_record_the_digest_of_the_image_they_picked(tmp_path: Path) -> None:
