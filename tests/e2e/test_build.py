@@ -110,6 +110,17 @@ def test_bert_cpu_builds_selftests_and_pushes_with_the_registry_digest(
     assert "PYTORCH_VERSION=2.13.0" in config["Env"]
     assert config["Labels"]["org.imgpipe.input-hash"] == entry["input_hash"]
     assert config["Labels"]["org.opencontainers.image.version"] == "0.1.0"
+    # Bytecode for what every job imports ships in the image: a squashfs is read-only, so a
+    # module without it is compiled again by every rank of every job (seconds per start).
+    probe = ("import importlib.util, os, h5py, numpy, torch, bert_trainer.pretrain as t\n"
+             "missing = [m.__name__ for m in (h5py, numpy, torch, t)\n"
+             "           if not os.path.exists(importlib.util.cache_from_source(m.__file__))]\n"
+             "print(missing)")
+    ran = subprocess.run([services.DOCKER, "run", "--rm", "--network=none", "--read-only",
+                          entry["config_digest"], "python3", "-c", probe],
+                         capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert ran.stdout.strip() == "[]", ran.stdout
 
 
 def test_second_build_with_nothing_changed_calls_no_build(project: CliRun) -> None:
