@@ -28,6 +28,7 @@ import shlex
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,17 @@ def load_state() -> dict[str, Any]:
         return {}
 
 
+def selftest_if_new(outcome: dict[str, Any], state: dict[str, Any],
+                    save: Callable[[dict[str, Any]], None]) -> None:
+    """``imgpipe selftest bert`` for a new image (or one that never passed), else a line."""
+    if outcome["action"] == "built" or not state.get("selftested"):
+        imgpipe("selftest", "bert", "--flavor", "cpu")
+        state["selftested"] = outcome["image_id"] or "up to date"
+        save(state)
+    else:
+        say("self-test: the image is unchanged since it passed, skipped")
+
+
 def save_state(state: dict[str, Any]) -> None:
     state_path().parent.mkdir(parents=True, exist_ok=True)
     tmp = state_path().with_suffix(".tmp")
@@ -105,13 +117,7 @@ def images(state: dict[str, Any], shared: list[str]) -> dict[str, Any]:
         shared.append(f"the registry on {served['url']}")
     imgpipe("base-image", "--tag", "imgpipe/debian-python:bookworm")
     built = imgpipe("build", "bert", "--flavor", "cpu", *wheels(), capture=True)
-    outcome = built["images"][0]
-    if outcome["action"] == "built" or not state.get("selftested"):
-        imgpipe("selftest", "bert", "--flavor", "cpu")
-        state["selftested"] = outcome["image_id"] or "up to date"
-        save_state(state)
-    else:
-        say("self-test: the image is unchanged since it passed, skipped")
+    selftest_if_new(built["images"][0], state, save_state)
     imgpipe("push", "bert")
     converted = imgpipe("convert", "bert", "--flavor", "cpu", capture=True)
     return converted

@@ -38,6 +38,7 @@ from imgpipe.commands.demo import (
     imgpipe,
     inputs,
     say,
+    selftest_if_new,
     submit_and_wait,
     wheels,
 )
@@ -82,12 +83,7 @@ def run(args: argparse.Namespace) -> int:
     stage("build", since)
 
     since = time.monotonic()
-    if outcome["action"] == "built" or not state.get("selftested"):
-        imgpipe("selftest", "bert", "--flavor", "cpu")
-        state["selftested"] = outcome["image_id"] or "up to date"
-        _save(state)
-    else:
-        say("self-test: the image is unchanged since it passed, skipped")
+    selftest_if_new(outcome, state, _save)
     stage("self-test", since)
 
     since = time.monotonic()
