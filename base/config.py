@@ -253,6 +253,20 @@ class EnrootConfig(_Strict):
                                 "nodes (e.g. 3.5.0); default: the enroot on this host.  Enroot "
                                 "3.x cannot pull by digest: recipes then pin squashfs files")
 
+    distribution: Literal["shared", "fetch", "sbcast"] = Field(
+        default="shared", description="how jobs get their image onto the nodes: shared "
+        "(outputs.squashfs_dir is on the cluster file system: the first node's import serves "
+        "every node), fetch (a node-local squashfs_dir: each node's importer fetches for "
+        "itself) or sbcast (a node-local squashfs_dir: the job's batch host gets the image "
+        "once and Slurm's sbcast copies it to every node, each node checking its sha256)")
+    sbcast_fanout: int = Field(default=8, ge=1, le=64, description="sbcast's message tree "
+                               "width (--fanout; Slurm 22.05 takes at most 8)")
+    sbcast_block: str = Field(default="8M", description="sbcast's block size (--size): "
+                              "each block reaches every node before the next is sent")
+    importer_path: str = Field(default="/usr/local/bin/imgpipe-pyxis-importer",
+                               description="the importer on the compute nodes, as the "
+                               "recipes run it to stage images (fetch and sbcast)")
+
     @property
     def default_compression(self) -> str:
         """The compression conversions use when nothing more specific says."""
@@ -263,6 +277,20 @@ class EnrootConfig(_Strict):
     def _version(cls, value: str | None) -> str | None:
         if value is not None and not re.fullmatch(r"v?\d+\.\d+(\.\d+)?", value.strip()):
             raise ValueError("must be a version such as 3.5 or 4.1.2")
+        return value
+
+    @field_validator("sbcast_block")
+    @classmethod
+    def _block(cls, value: str) -> str:
+        if not re.fullmatch(r"[1-9][0-9]{0,9}[kKmMgG]?", value):
+            raise ValueError("must be a size sbcast takes, such as 8M or 64M")
+        return value
+
+    @field_validator("importer_path")
+    @classmethod
+    def _importer(cls, value: str) -> str:
+        if not value.startswith("/") or "\n" in value or "\x00" in value:
+            raise ValueError("must be an absolute path on the compute nodes")
         return value
 
     @field_validator("cache_max_size")

@@ -1,5 +1,7 @@
 """``imgpipe-pyxis-importer get URI | release``: the program Pyxis (0.21+) runs to import an
 image (``plugstack.conf``: ``importer=PATH``); its work is ``imgpipe.commands.importer``.
+``stage URI`` and ``take URI [SHA256 STAGED MANIFEST]`` are what the recipes run where
+squashfs caches are node-local (``imgpipe.commands.fanout``).
 
 ``get`` prints the squashfs path Pyxis mounts or unpacks; ``release`` ends the step's
 recorded use when the step ends.  What goes to stderr is what the user sees when the import
@@ -13,7 +15,8 @@ import sys
 
 from imgpipe.commands.importer import fast_get, get, is_foreign, record_step, release
 
-USAGE = "usage: imgpipe-pyxis-importer get URI | release"
+USAGE = ("usage: imgpipe-pyxis-importer get URI | release | stage URI | take URI "
+         "[SHA256 STAGED MANIFEST]")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
                 record_step(path)
             print(path, flush=True)
             return 0
+        if args[:1] in (["stage"], ["take"]) and len(args) in (2, 5):
+            return _fanout(args)
     except ImgpipeError as exc:
         print(f"imgpipe: error: {exc}", file=sys.stderr)
         return 1
@@ -49,8 +54,26 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def _fanout(args: list[str]) -> int:
+    from pathlib import Path
+
+    from imgpipe.commands.fanout import Staged, stage, take
+
+    if args[0] == "stage" and len(args) == 2:
+        print(stage(args[1]).line(), flush=True)
+        return 0
+    if args[0] == "take":
+        staged = (Staged(Path(args[3]), args[2], Path(args[3]), args[4]) if len(args) == 5
+                  else None)
+        print(take(args[1], staged), flush=True)
+        return 0
+    print(USAGE, file=sys.stderr)
+    return 2
+
+
 def run() -> None:
-    if sys.argv[1:2] == ["get"]:  # a conversion may run: SIGTERM must clean up
+    if sys.argv[1:2] in (["get"], ["stage"], ["take"]):  # a conversion may run: SIGTERM
+        # must clean up
         from imgpipe.base.signals import raise_on_sigterm
 
         raise_on_sigterm()

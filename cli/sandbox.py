@@ -24,7 +24,7 @@ from imgpipe.base.files import atomic_write
 from imgpipe.base.platforms import Platform
 from imgpipe.cli.clikit import CONTEXT, reporting, settings_of
 from imgpipe.cli.output import Result
-from imgpipe.commands.sandbox import Sandbox, SandboxError, SandboxSpec
+from imgpipe.commands.sandbox import MAX_COMPUTE_NODES, Sandbox, SandboxError, SandboxSpec
 
 DEFAULT_SUBNET = "10.213.7"
 DEFAULT_NAME = "imgp"
@@ -32,13 +32,14 @@ SHARED_FILE = "shared.json"  # a same-named sandbox of another checkout that `up
 
 
 def _sandbox(ctx: click.Context, nodes: int = 2, subnet: str = DEFAULT_SUBNET,
-             cpus: int | None = None, name: str = DEFAULT_NAME, platforms: str = ""
-             ) -> Sandbox:
+             cpus: int | None = None, name: str = DEFAULT_NAME, platforms: str = "",
+             registry_rate: str = "") -> Sandbox:
     settings = settings_of(ctx)
     root = settings.path(settings.outputs.state_dir) / "sandbox"
     root.mkdir(parents=True, exist_ok=True)
     return Sandbox(SandboxSpec(root=root, name=name, subnet=subnet, compute_nodes=nodes,
-                               cpus=cpus or max(2, os.cpu_count() or 2), platforms=platforms))
+                               cpus=cpus or max(2, os.cpu_count() or 2), platforms=platforms,
+                               registry_rate=registry_rate))
 
 
 def _own(ctx: click.Context) -> Sandbox:
@@ -118,7 +119,7 @@ def sandbox() -> None:
 
 
 @sandbox.command(name="up", context_settings=CONTEXT)
-@click.option("--nodes", type=click.IntRange(1, 8), default=2, show_default=True,
+@click.option("--nodes", type=click.IntRange(1, MAX_COMPUTE_NODES), default=2, show_default=True,
               help="Compute hosts (node1..nodeN).")
 @click.option("--subnet", default=DEFAULT_SUBNET, show_default=True, metavar="A.B.C",
               help="The private /24 (first three octets); refused if any route covers it.")
@@ -130,9 +131,12 @@ def sandbox() -> None:
               help="A compute host that stands for another platform, e.g. node2=linux/arm64: "
               "its Slurm node carries the feature (arm64), its jobs get IMGPIPE_PLATFORM and "
               "run that platform's images under emulation (needs qemu-user-static).")
+@click.option("--registry-rate", default="", metavar="RATE",
+              help="Limit the head host's link (its registry's egress) to RATE, e.g. 1gbit, "
+              "so that what the registry serves shows in time (tc's token bucket).")
 @reporting
 def up_command(ctx: click.Context, nodes: int, subnet: str, cpus: int | None,
-               name: str, node_platforms: tuple[str, ...]) -> Result:
+               name: str, node_platforms: tuple[str, ...], registry_rate: str) -> Result:
     """Start the cluster and wait until every node is idle (kept if already up).
 
     \b
@@ -149,7 +153,8 @@ def up_command(ctx: click.Context, nodes: int, subnet: str, cpus: int | None,
             raise click.BadParameter(f"{pair!r} is not NODE=OS/ARCH (node2=linux/arm64)",
                                      param_hint="--node-platform")
         Platform.parse(platform)
-    cluster = _sandbox(ctx, nodes, subnet, cpus, name, ",".join(node_platforms))
+    cluster = _sandbox(ctx, nodes, subnet, cpus, name, ",".join(node_platforms),
+                       registry_rate)
     other = _use_other(ctx, cluster)
     if other is not None:
         state = {**other.status(), "started_here": False, "owner": str(other.root)}

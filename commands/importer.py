@@ -70,7 +70,7 @@ def _step_record() -> str:
     return os.path.join(_record_dir(), f"importer.{socket.gethostname()}.{job}.{step}")
 
 
-def _config_file() -> str | None:
+def config_file() -> str | None:
     return os.environ.get("IMGPIPE_CONFIG") or (SITE_CONFIG if os.path.isfile(SITE_CONFIG)
                                                  else None)
 
@@ -80,7 +80,7 @@ _QUICK: dict[str | None, dict[str, Any] | None] = {}
 
 def _quick() -> dict[str, Any] | None:
     """quick_settings of this process's config file, read once."""
-    path = _config_file()
+    path = config_file()
     if path not in _QUICK:
         _QUICK[path] = quick_settings(path)
     return _QUICK[path]
@@ -203,7 +203,7 @@ def is_foreign(uri: str) -> bool:
 
         from imgpipe.base.config import Settings, parse_settings
 
-        path = _config_file()
+        path = config_file()
         settings = parse_settings(Path(path)) if path else Settings()
         address = settings.registry.address
     else:
@@ -247,7 +247,7 @@ def fast_get(uri: str) -> Path | None:
 
         def find(manifest: str) -> Path | None:
             return storage.find_squashfs(ref.repository, manifest, quick["compression"],
-                                         Pins.from_env().for_image(manifest), _say)
+                                         Pins.from_env().for_image(manifest), say)
 
         found = find(digest)
         if found is None and ref.digest is not None and online:
@@ -259,7 +259,7 @@ def fast_get(uri: str) -> Path | None:
         return None
 
 
-def _say(text: str) -> None:
+def say(text: str) -> None:
     from imgpipe.base.terminal import safe_line
 
     print(safe_line(f"imgpipe: {text}"), file=sys.stderr, flush=True)
@@ -275,7 +275,7 @@ def get(uri: str) -> Path:
     from imgpipe.enroot.squash.tools import SquashOptions, compression_of
     from imgpipe.registry.reference import Reference
 
-    path = _config_file()  # one file, never a user's or a project's layer
+    path = config_file()  # one file, never a user's or a project's layer
     settings = parse_settings(Path(path)) if path else Settings(root=Path.cwd())
     ref = Reference.parse(uri, default_registry=settings.registry.address)
     enroot = settings.enroot
@@ -284,19 +284,19 @@ def get(uri: str) -> Path:
         from imgpipe.commands.cachewriter import ask_writer
 
         require_served(ref, settings.registry.address)
-        ask_writer(settings, ref, _say)  # the shared entry, for every user; else our own
+        ask_writer(settings, ref, say)  # the shared entry, for every user; else our own
     conversion = convert(
         registry_client(settings), storage(settings), ref,
         SquashOptions(compression_of(enroot.default_compression), enroot.zstd_level,
                       enroot.processors, enroot.verify_diff_ids),
-        say=_say,
+        say=say,
         connections=enroot.max_connections,
         published=PublishedPolicy(enroot.published, unpinned=enroot.published_unpinned))
     if conversion.converted and enroot.cache_max_size:
         from imgpipe.commands.cache import prune_after_conversion
 
         prune_after_conversion(storage(settings), enroot.cache_max_size, conversion.path,
-                               _say)
+                               say)
     return conversion.path
 
 

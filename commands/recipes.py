@@ -58,7 +58,13 @@ def pin(settings: Settings, image: str, flavor: str, required: bool = True,
                  if known is not None and flavor in known.spec.flavors else None)
     if entry is None:
         return None
-    return entry.squashfs_file() or entry.reference
+    return _on_nodes(settings, entry.squashfs_file()) or entry.reference
+
+
+def _on_nodes(settings: Settings, converted: SquashfsPath | None) -> SquashfsPath | None:
+    """A squashfs file converted here, when the nodes can open it: only where the squashfs
+    folder is the cluster's shared one (node-local caches get the image by its digest)."""
+    return converted if settings.enroot.distribution == "shared" else None
 
 
 def pinned_digest(settings: Settings, pinned: Reference | SquashfsPath | str) -> str:
@@ -98,7 +104,8 @@ def platform_pins(settings: Settings, image: str, flavor: str, only: Platform | 
     pins: dict[str, Reference | SquashfsPath] = {}
     for platform in chosen:
         held = entry.platform_pin(platform)
-        pins[str(platform)] = held.squashfs_file() or entry.reference.with_digest(held.digest)
+        pins[str(platform)] = (_on_nodes(settings, held.squashfs_file())
+                               or entry.reference.with_digest(held.digest))
     return pins
 
 
@@ -195,7 +202,9 @@ def render_recipes(settings: Settings, profile: Profile, nodes: int, runtime: Ru
         image_digest=pinned_digest(settings, pinned),
         platform_digests={p: pinned_digest(settings, x) for p, x in per_platform.items()},
         selftest=_selftest_of(settings, "bert"),
-        enroot_takes_digests=takes_digests(enroot_version), enroot_seen=seen)
+        enroot_takes_digests=takes_digests(enroot_version), enroot_seen=seen,
+        distribution=settings.enroot.distribution, importer_path=settings.enroot.importer_path,
+        sbcast_fanout=settings.enroot.sbcast_fanout, sbcast_block=settings.enroot.sbcast_block)
     folder = output or settings.path(settings.outputs.recipes_dir) / f"{profile.name}-{nodes}n"
     return folder, render_bundle(inputs, folder, phases)
 

@@ -3,6 +3,6 @@ the CLI drives it."""
 
 from __future__ import annotations
 
-from imgpipe.recipes.sandbox import Sandbox, SandboxError, SandboxSpec
+from imgpipe.recipes.sandbox import MAX_COMPUTE_NODES, Sandbox, SandboxError, SandboxSpec
 
-__all__ = ["Sandbox", "SandboxError", "SandboxSpec"]
+__all__ = ["MAX_COMPUTE_NODES", "Sandbox", "SandboxError", "SandboxSpec"]

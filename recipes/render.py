@@ -25,6 +25,7 @@ from imgpipe.recipes.ncclscript import check_program
 from imgpipe.recipes.profiles import Profile
 from imgpipe.recipes.runtimes import RUNTIMES, Runtime, prelude
 from imgpipe.recipes.scaling import PHASES, Shape, shape_for
+from imgpipe.recipes.staging import DISTRIBUTIONS, Distribution, stage_function
 from imgpipe.registry.errors import ReferenceFormatError
 from imgpipe.registry.reference import Reference
 
@@ -79,6 +80,11 @@ class RecipeInputs:
     # the manifest digest of ``image`` / of each platform's pin: what the jobs record they ran
     image_digest: str = ""
     platform_digests: dict[str, str] = field(default_factory=dict)
+    # how the image reaches the nodes (enroot.distribution; recipes.staging)
+    distribution: Distribution = "shared"
+    importer_path: str = "/usr/local/bin/imgpipe-pyxis-importer"
+    sbcast_fanout: int = 8
+    sbcast_block: str = "8M"
 
 
 def _sbatch_value(value: str, what: str) -> str:
@@ -215,6 +221,9 @@ def render_bundle(inputs: RecipeInputs, folder: Path, phases: tuple[int, ...] = 
     profile = inputs.profile
     if inputs.runtime not in RUNTIMES:
         raise RecipeError(f"runtime {inputs.runtime!r} is not one of {', '.join(RUNTIMES)}")
+    if inputs.distribution not in DISTRIBUTIONS:
+        raise RecipeError(f"distribution {inputs.distribution!r} is not one of "
+                          f"{', '.join(DISTRIBUTIONS)}")
     shapes = [shape_for(profile, inputs.nodes, phase, inputs.adjust_global_batch)
               for phase in phases]
     image = pinned_image(inputs.image)
@@ -246,6 +255,9 @@ def render_bundle(inputs: RecipeInputs, folder: Path, phases: tuple[int, ...] = 
         "bert_config": _path(inputs.bert_config, "BERT config file")
         if inputs.bert_config else "",
         "prelude": prelude(inputs.runtime).rstrip("\n"),
+        "stage": stage_function(inputs.runtime, inputs.distribution,
+                                _path(inputs.importer_path, "importer path"),
+                                inputs.sbcast_fanout, inputs.sbcast_block),
         "checker": check_program(profile.name, profile.busbw_gbs),
         "shards": int(inputs.shards) if inputs.shards else None,
         "dataset_tasks": max(1, profile.cores_per_node // 2),

@@ -22,6 +22,7 @@ import contextlib
 import ipaddress
 import json
 import os
+import re
 import shutil
 import signal
 import time
@@ -45,6 +46,8 @@ STATE_FILE = "sandbox.json"
 
 __all__ = ["Host", "Sandbox", "SandboxError", "SandboxSpec", "running"]
 REGISTRY_PORT = 5000
+# A job of 32+ nodes (the fan-out bench) fits; each slurmd is about 10 MB of memory.
+MAX_COMPUTE_NODES = 64
 
 
 @dataclass
@@ -66,8 +69,12 @@ def _check_name(spec: SandboxSpec) -> None:
     except ValueError as exc:
         raise SandboxError(f"subnet {spec.subnet!r} is not the first three octets of a /24",
                            hint="e.g. 10.213.7") from exc
-    if not 1 <= spec.compute_nodes <= 8:
-        raise SandboxError("a sandbox has 1 to 8 compute hosts")
+    if not 1 <= spec.compute_nodes <= MAX_COMPUTE_NODES:
+        raise SandboxError(f"a sandbox has 1 to {MAX_COMPUTE_NODES} compute hosts")
+    if spec.registry_rate and not re.fullmatch(r"[1-9][0-9]*(kbit|mbit|gbit)",
+                                               spec.registry_rate):
+        raise SandboxError(f"registry rate {spec.registry_rate!r} is not a rate",
+                           hint="e.g. 1gbit or 500mbit")
 
 
 def _ip(*args: str, check: bool = True) -> process.Completed:
@@ -139,7 +146,8 @@ class Sandbox:
                 compute_nodes=int(spec["compute_nodes"]), cpus=int(spec["cpus"]),
                 gpus=int(spec["gpus"]), memory_mb=int(spec["memory_mb"]),
                 plugstack=Path(plugstack) if plugstack not in (None, "None") else None,
-                platforms=str(spec.get("platforms") or "")))
+                platforms=str(spec.get("platforms") or ""),
+                registry_rate=str(spec.get("registry_rate") or "")))
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -256,6 +264,19 @@ class Sandbox:
             _ip(*in_ns, "link", "set", inner, "name", "eth0")
             _ip(*in_ns, "addr", "add", f"{host.address}/24", "dev", "eth0")
             _ip(*in_ns, "link", "set", "eth0", "up")
+        if spec.registry_rate:
+            self._limit_head(spec.registry_rate)
+
+    def _limit_head(self, rate: str) -> None:
+        """A token bucket on the head's egress: what its registry serves leaves at ``rate``."""
+        process.require("tc")
+        burst = "4mb" if rate.endswith("gbit") else "512kb"
+        done = process.run(["ip", "netns", "exec", self.spec.head.namespace, "tc", "qdisc",
+                            "add", "dev", "eth0", "root", "tbf", "rate", rate, "burst", burst,
+                            "latency", "200ms"], check=False)
+        if done.returncode != 0:
+            raise SandboxError(f"tc could not limit the head's link to {rate}: "
+                               f"{done.stderr.strip()}")
 
     def _daemon(self, state: State, label: str, host: Host | None, argv: list[str]) -> None:
         log = self.root / "log" / f"{label}.out"
@@ -300,6 +321,30 @@ class Sandbox:
         }))
         binary = shutil.which("docker-registry") or "/usr/bin/docker-registry"
         self._daemon(state, "registry", self.spec.head, [binary, "serve", str(config)])
+
+    @property
+    def registry_log(self) -> Path:
+        """The head registry's log: its access lines say what it served."""
+        return self.root / "log" / "registry.out"
+
+    def registry_served(self, blob: str, since: int = 0) -> list[int]:
+        """Bytes of each answer (200 or 206) to a GET of ``blob`` in the registry's access
+        log, from byte offset ``since`` of the log."""
+        try:
+            with open(self.registry_log, "rb") as log:
+                log.seek(since)
+                text = log.read().decode(errors="replace")
+        except FileNotFoundError:
+            return []
+        pattern = re.compile(r'"GET /v2/[^ ]+/blobs/' + re.escape(blob)
+                             + r' HTTP/[0-9.]+" (200|206) ([0-9]+)')
+        return [int(match.group(2)) for match in pattern.finditer(text)]
+
+    def registry_log_size(self) -> int:
+        try:
+            return self.registry_log.stat().st_size
+        except FileNotFoundError:
+            return 0
 
     @property
     def registry_address(self) -> str:

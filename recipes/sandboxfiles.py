@@ -49,6 +49,9 @@ class SandboxSpec:
     # jobs run that platform's images under emulation (binfmt), as a Grace node runs them
     # natively
     platforms: str = ""
+    # the head host's egress (its registry's link), e.g. "1gbit": tc's token bucket on it, so
+    # that what the registry serves shows in time as it would on a real NIC; "" for none
+    registry_rate: str = ""
 
     def node_platform(self, host: Host) -> Platform:
         """The platform ``host`` stands for (this machine's unless ``platforms`` says)."""

@@ -12,13 +12,10 @@ digests.  And the registry's lifecycle commands treat the artifact as part of it
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
-import shutil
 import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
@@ -36,58 +33,22 @@ from imgpipe.registry.transfer import fetch_resumable
 from tests import services
 from tests.cluster import USERS, node_cache, system_imgpipe
 from tests.conftest import CliRun
+from tests.published_image import ci_publish, git, hello_origin, sha256_file
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 ALICE, BOB = USERS
-HELLO = {"name": "hello", "repository": "published/hello", "version": "1.0.0",
-         "flavors": {"cpu": {"base": services.BASE_IMAGE}}, "selftest": ["cat", "/hello.txt"]}
-
-
-def _git(*args: str, cwd: Path) -> None:
-    subprocess.run(["git", "-c", "user.email=ci@example.invalid", "-c", "user.name=ci", *args],
-                   cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(1 << 20):
-            digest.update(block)
-    return "sha256:" + digest.hexdigest()
-
-
 @pytest.fixture(scope="module")
 def origin(tmp_path_factory: pytest.TempPathFactory, registry_server) -> Path:
-    repo = tmp_path_factory.mktemp("published-origin")
-    (repo / "images" / "hello").mkdir(parents=True)
-    (repo / "images" / "hello" / "Dockerfile").write_text(
-        "ARG BASE_IMAGE\nFROM ${BASE_IMAGE}\nCOPY hello.txt /hello.txt\n")
-    (repo / "images" / "hello" / "hello.txt").write_text("hello from CI\n")
-    (repo / "images" / "hello" / "image.yaml").write_text(json.dumps(HELLO))
-    (repo / "imgpipe.yaml").write_text(json.dumps({
-        "registry": {"port": registry_server.port}, "default_flavor": "cpu"}))
-    shutil.copy(REPO / ".gitignore", repo / ".gitignore")
-    _git("init", "-q", "-b", "main", cwd=repo)
-    _git("add", "-A", cwd=repo)
-    _git("commit", "-qm", "images", cwd=repo)
-    return repo
+    return hello_origin(tmp_path_factory.mktemp("published-origin"), registry_server.port,
+                        "published/hello")
 
 
 @pytest.fixture(scope="module")
 def published(origin: Path, tmp_path_factory: pytest.TempPathFactory, base_image: str) -> dict:
     """Clone A runs `imgpipe ci --flavor cpu --squashfs` as the workflow does."""
-    folder = tmp_path_factory.mktemp("ci-runner") / "a"
-    _git("clone", "-q", str(origin), str(folder), cwd=origin.parent)
-    imgpipe = str(Path(sys.executable).parent / "imgpipe")
-    done = subprocess.run([imgpipe, "ci", "--flavor", "cpu", "--squashfs"], cwd=folder,
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout + done.stderr
-    entry = json.loads((folder / "imgpipe.lock").read_text())["images"]["hello"]["cpu"]
-    pin = entry["squashfs_digests"]["zstd"]
-    assert f"hello/cpu: squashfs {pin} (zstd)" in done.stdout
-    return {"folder": folder, "entry": entry, "pin": pin, "digest": entry["digest"]}
+    return ci_publish(origin, tmp_path_factory.mktemp("ci-runner") / "a")
 
 
 def _job(cluster, user: str, node: str, config: Path, digest: str, pins: str | None,
@@ -128,7 +89,7 @@ def test_a_node_runs_the_published_squashfs_without_converting(cluster, publishe
     assert f"fetched published squashfs {published['pin']}" in done.stderr, done.stderr
     assert "squash with" not in done.stderr and "merge" not in done.stderr, done.stderr
     fetched = _got(done)
-    assert fetched.parent == squashfs and _sha256(fetched) == published["pin"]
+    assert fetched.parent == squashfs and sha256_file(fetched) == published["pin"]
     assert fetched.stat().st_mode & 0o777 == 0o644
     assert not list((squashfs / ".imgpipe" / "tmp").rglob("*.part"))  # nothing half-written
 
@@ -138,12 +99,12 @@ def test_a_node_runs_the_published_squashfs_without_converting(cluster, publishe
     done = _job(cluster, BOB, "node1", config2, published["digest"], None)
     assert done.returncode == 0 and "hello from CI" in done.stdout, done.stderr
     assert "is not pinned: converting" in done.stderr and "squash with" in done.stderr
-    assert _sha256(_got(done)) == published["pin"]
+    assert sha256_file(_got(done)) == published["pin"]
 
 
 def test_a_second_clone_verifies_then_fetches(origin: Path, published: dict, tmp_path: Path,
                                               capsys) -> None:
-    _git("clone", "-q", str(origin), str(tmp_path / "b"), cwd=origin.parent)
+    git("clone", "-q", str(origin), str(tmp_path / "b"), cwd=origin.parent)
     second = CliRun(tmp_path / "b", capsys)
     image = f"{published['entry']['repository']}@{published['digest']}"
     code, out, err = second("recipes", "render", "--profile", "local", "--nodes", "1", "-o",
@@ -179,7 +140,7 @@ def test_lz4_conversions_are_reproducible_and_verify(origin: Path, published: di
                                                     capsys) -> None:
     """mksquashfs's files (lz4 here; lzo-enroot and none likewise) carry no run's time: two
     empty caches convert one digest to equal bytes, and a published lz4 file verifies."""
-    _git("clone", "-q", str(origin), str(tmp_path / "c"), cwd=origin.parent)
+    git("clone", "-q", str(origin), str(tmp_path / "c"), cwd=origin.parent)
     clone = CliRun(tmp_path / "c", capsys)
     made = []
     for cache in ("first", "second"):
@@ -189,11 +150,11 @@ def test_lz4_conversions_are_reproducible_and_verify(origin: Path, published: di
         code, out, err = clone("convert", "hello", "--no-published", "--compression", "lz4",
                                "--json")
         assert code == 0, out + err
-        made.append(_sha256(Path(json.loads(out)["data"]["squashfs"])))
+        made.append(sha256_file(Path(json.loads(out)["data"]["squashfs"])))
     assert made[0] == made[1]
     code, out, err = clone("push", "hello", "--squashfs")
     assert code == 0 and f"hello/cpu: squashfs {made[0]} (lz4)" in out, out + err
-    _git("clone", "-q", str(origin), str(tmp_path / "d"), cwd=origin.parent)
+    git("clone", "-q", str(origin), str(tmp_path / "d"), cwd=origin.parent)
     checker = CliRun(tmp_path / "d", capsys)
     code, out, err = checker("verify", "hello", "--compression", "lz4")
     assert code == 0, out + err
@@ -212,7 +173,7 @@ def test_a_broken_fetch_resumes_and_a_wrong_start_is_thrown_away(registry_server
     os.chmod(partial, 0o600)
     received = fetch_resumable(client, "published/hello", pin, partial)
     kept = len(whole) // 2 - len(whole) // 2 % ALIGN  # resumed from an aligned offset
-    assert received == len(whole) - kept and 0 < kept and _sha256(partial) == pin
+    assert received == len(whole) - kept and 0 < kept and sha256_file(partial) == pin
     partial.write_bytes(b"not the blob's start" * (ALIGN // 10))
     with pytest.raises(DigestMismatchError):
         fetch_resumable(client, "published/hello", pin, partial)
@@ -246,7 +207,7 @@ def test_a_replaced_artifact_is_refused(cluster, registry_server, published: dic
     digest = published["digest"]
     [genuine] = find_published(client, "published/hello", digest, "zstd")
     planted = _other_squashfs(tmp_path)
-    planted_digest = _sha256(planted)
+    planted_digest = sha256_file(planted)
     publish(client, "published/hello", client.manifest("published/hello", digest), planted,
             planted_digest, "zstd", 1)
     client.delete_manifest("published/hello", genuine.artifact)
@@ -260,7 +221,7 @@ def test_a_replaced_artifact_is_refused(cluster, registry_server, published: dic
     refusal = [line for line in done.stderr.splitlines() if "refused published" in line]
     assert len(refusal) == 1 and planted_digest in refusal[0], done.stderr
     assert published["pin"] in refusal[0] and "squash with" in done.stderr
-    assert _sha256(_got(done)) == published["pin"]
+    assert sha256_file(_got(done)) == published["pin"]
 
     clone = CliRun(published["folder"], capsys)
     code, out, err = clone("verify", "hello")
@@ -281,7 +242,7 @@ def test_registry_rm_and_gc_treat_the_squashfs_as_part_of_its_image(managed_regi
                   for tag in ("kept", "gone")]
     for digest in (kept, gone):
         publish(client, "life/img", client.manifest("life/img", digest), squashfs,
-                _sha256(squashfs), "zstd", 1)
+                sha256_file(squashfs), "zstd", 1)
     code, out, _ = cli("registry", "ls")
     assert "[squashfs published: gone (zstd), kept (zstd)]" in out, out
     # Deleted by another tool: its artifact has no subject any more and goes at gc.

@@ -1,0 +1,84 @@
+"""Getting the job's image onto its nodes where squashfs caches are node-local: the
+``stage_image`` shell function of run.sub, dataset.sub and nccl.sub.
+
+``enroot.distribution`` says how the cluster keeps squashfs files:
+
+``shared``
+    one folder on the cluster file system: the first node's import serves every node (no
+    function; Pyxis's importer does it all).
+``fetch``
+    a node-local folder on each node: every node's importer fetches for itself (the
+    baseline; a cache tier in front of the registry carries it for racks).
+``sbcast``
+    a node-local folder: the batch host's importer gets the image once (``stage``), Slurm's
+    ``sbcast`` copies it along slurmd's tree to every node of the job, and every node's
+    importer takes the copy only if it hashes to the pin (``take``); a node without a good
+    copy fetches for itself and says so.  The registry serves one squashfs per job.
+
+Every failure on the way is one line and the job still starts: sbcast missing or failing,
+the batch host unable to get the image, a corrupt copy.  With Charliecloud the function
+also sets ``CONT`` to the entry every node now holds (the same path on each node).
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Literal, get_args
+
+Distribution = Literal["shared", "fetch", "sbcast"]
+DISTRIBUTIONS: tuple[str, ...] = get_args(Distribution)
+
+_FUNCTION = r'''
+# The image onto every node of the job (enroot.distribution: @MODE@): node-local caches.
+# IMGPIPE_IMPORTER (default: the site's) runs on every node as the job's user; IMGPIPE_SBCAST,
+# IMGPIPE_SBCAST_FANOUT and IMGPIPE_SBCAST_BLOCK override sbcast, its tree width and block.
+default_importer=@IMPORTER@
+IMGPIPE_IMPORTER="${IMGPIPE_IMPORTER:-$default_importer}"
+stage_image() {
+  local nodes=${SLURM_JOB_NUM_NODES:-1} staged=() got line
+  local mode=${IMGPIPE_DISTRIBUTION:-@MODE@}
+  local uri=$CONT sbcast=${IMGPIPE_SBCAST:-sbcast}
+  case "$uri" in /*|./*) return 0 ;; esac  # a squashfs path: nothing to stage
+  if [ "$mode" = sbcast ] && [ "$nodes" -gt 1 ]; then
+    if ! line=$("$IMGPIPE_IMPORTER" stage "$uri"); then
+      echo "${0##*/}: the batch host could not get $uri: every node fetches it" >&2
+    else
+      read -r -a staged <<<"$line"  # source sha256 destination manifest
+      if ! command -v "$sbcast" >/dev/null 2>&1; then
+        echo "${0##*/}: $sbcast is not on this host's PATH: every node fetches the image" >&2
+      # An already-compressed squashfs: no compression. sbcast creates each copy
+      # exclusively, under a name nobody could guess.
+      elif ! "$sbcast" --compress=none --fanout="${IMGPIPE_SBCAST_FANOUT:-@FANOUT@}" \
+          --size="${IMGPIPE_SBCAST_BLOCK:-@BLOCK@}" "${staged[0]}" "${staged[2]}"; then
+        echo "${0##*/}: sbcast of ${staged[0]##*/} failed: nodes without a good copy" \
+          "fetch the image themselves" >&2
+      fi
+      staged=("${staged[1]}" "${staged[2]}" "${staged[3]}")
+    fi
+  fi
+  got=$(srun -N"$nodes" -n"$nodes" --ntasks-per-node=1 --kill-on-bad-exit=1 \
+    "$IMGPIPE_IMPORTER" take "$uri" "${staged[@]}" | sort -u) || {
+    echo "${0##*/}: a node could not get $uri" >&2; exit 1; }
+@AFTER@}
+stage_image
+'''
+
+_CHARLIECLOUD_AFTER = r'''  case "$got" in
+    *$'\n'*|'') echo "${0##*/}: the nodes hold $uri under different names: $got" >&2; exit 1 ;;
+  esac
+  CONT=$got
+'''
+
+
+def stage_function(runtime: str, distribution: str, importer: str, fanout: int,
+                   block: str) -> str:
+    """Bash that defines and runs ``stage_image`` (empty for a shared cache or the host
+    runtime, which runs no image)."""
+    if distribution == "shared" or runtime == "host":
+        return ""
+    after = _CHARLIECLOUD_AFTER if runtime == "charliecloud" else "  : \"$got\"\n"
+    return (_FUNCTION.replace("@MODE@", distribution)
+            .replace("@IMPORTER@", shlex.quote(importer))
+            .replace("@FANOUT@", str(int(fanout)))
+            .replace("@BLOCK@", shlex.quote(block))
+            .replace("@AFTER@", after)).strip("\n")

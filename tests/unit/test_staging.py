@@ -1,0 +1,76 @@
+"""The recipes' stage_image (recipes.staging): rendered only where caches are node-local,
+clean for shellcheck in every runtime, and the nodes' config keys that feed it."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from imgpipe.base.config import EnrootConfig
+from imgpipe.cli.importer import main as importer_main
+from imgpipe.recipes.errors import RecipeError
+from imgpipe.recipes.profiles import load_profile
+from imgpipe.recipes.render import RecipeInputs, render_bundle
+
+PINNED = "head:5000/imgpipe/bert@sha256:" + "a" * 64
+SCRIPTS = ("run.sub", "dataset.sub", "nccl.sub")
+
+
+def _bundle(tmp_path: Path, runtime: str, distribution: str) -> dict[str, str]:
+    render_bundle(RecipeInputs(load_profile("dgx-h100"), 2, PINNED, runtime=runtime,  # type: ignore[arg-type]
+                               distribution=distribution,  # type: ignore[arg-type]
+                               importer_path="/opt/imgpipe/bin/imgpipe-pyxis-importer",
+                               sbcast_fanout=4, sbcast_block="64M"), tmp_path)
+    return {name: (tmp_path / name).read_text() for name in SCRIPTS}
+
+
+@pytest.mark.parametrize("runtime", ["pyxis", "charliecloud"])
+@pytest.mark.parametrize("distribution", ["fetch", "sbcast"])
+def test_node_local_scripts_stage_the_image_before_any_step(tmp_path: Path, runtime: str,
+                                                            distribution: str) -> None:
+    scripts = _bundle(tmp_path, runtime, distribution)
+    for name, text in scripts.items():
+        lines = text.splitlines()
+        assert lines.count("stage_image") == 1, name
+        first_launch = next(i for i, line in enumerate(lines) if line.startswith("launch "))
+        assert lines.index("stage_image") < first_launch, name
+        assert "default_importer=/opt/imgpipe/bin/imgpipe-pyxis-importer" in text
+        assert f"IMGPIPE_DISTRIBUTION:-{distribution}" in text
+        assert '--fanout="${IMGPIPE_SBCAST_FANOUT:-4}"' in text
+        assert "--size=\"${IMGPIPE_SBCAST_BLOCK:-64M}\"" in text
+        assert ("CONT=$got" in text) == (runtime == "charliecloud"), name
+    done = subprocess.run(["shellcheck", "--severity=style",
+                           *(str(tmp_path / name) for name in SCRIPTS)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout
+
+
+@pytest.mark.parametrize("runtime, distribution", [("pyxis", "shared"),
+                                                   ("charliecloud", "shared"),
+                                                   ("host", "sbcast")])
+def test_a_shared_cache_or_the_host_runtime_stages_nothing(tmp_path: Path, runtime: str,
+                                                          distribution: str) -> None:
+    for text in _bundle(tmp_path, runtime, distribution).values():
+        assert "stage_image" not in text and "sbcast" not in text
+
+
+def test_an_unknown_distribution_is_one_line(tmp_path: Path) -> None:
+    with pytest.raises(RecipeError, match="distribution 'rsync' is not one of"):
+        _bundle(tmp_path, "pyxis", "rsync")
+
+
+@pytest.mark.parametrize("key, value", [("sbcast_block", "8 MB"), ("sbcast_block", "0"),
+                                        ("importer_path", "imgpipe-pyxis-importer"),
+                                        ("sbcast_fanout", 0), ("distribution", "nfs")])
+def test_bad_fanout_settings_are_refused(key: str, value: object) -> None:
+    with pytest.raises(ValidationError):
+        EnrootConfig(**{key: value})
+
+
+def test_the_importer_names_its_staging_forms_in_its_usage(capsys) -> None:
+    assert importer_main(["take"]) == 2
+    assert "stage URI | take URI [SHA256 STAGED MANIFEST]" in capsys.readouterr().err
+    assert importer_main(["stage", "a", "b"]) == 2
