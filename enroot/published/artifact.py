@@ -277,8 +277,9 @@ def fetch(client: RegistryClient, storage: Storage, published: PublishedSquashfs
         say(f"ignored the chunk digests of {published.blob[:19]}: {problem}")
         chunk_size, chunks = DEFAULT_CHUNK_SIZE, ()
     if not chunks and connections > 1 and published.size > chunk_size:
-        say(f"published squashfs {published.blob[:19]} has no chunk digests (published "
-            "before them): a bad range means the whole download is redone")
+        say(f"published squashfs {published.blob[:19]} has no usable chunk digests: "
+            "its ranges are checked by the whole digest alone, so a bad range means the whole "
+            "download is redone")
     received = fetch_ranges(client, published.repository, published.blob, partial,
                             published.size, chunk_size, chunks, connections, progress, say)
     try:

@@ -16,7 +16,7 @@ import os
 import subprocess
 import tarfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -24,13 +24,16 @@ from pathlib import Path
 import pytest
 import requests
 
+from imgpipe.base.directio import ALIGN
 from imgpipe.enroot.cache.storage import Storage
+from imgpipe.enroot.flatten.view import MergedView
 from imgpipe.enroot.published.artifact import (
     PublishedSquashfs,
     fetch,
     find_published,
     publish,
 )
+from imgpipe.enroot.published.policy import PublishedPolicy, fetch_trusted
 from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.errors import DigestMismatchError, RegistryError
 from imgpipe.registry.ranges import chunk_count, fetch_ranges, sidecar_path
@@ -83,7 +86,10 @@ def _handler(front: Front) -> type[BaseHTTPRequestHandler]:
                 front.asked[asked] += 1
                 seen = front.asked[asked]
             sent = {"Range": asked} if asked and front.mode != "no-ranges" else {}
-            upstream = session.get(front.upstream + self.path, headers=sent, timeout=60)
+            if "Accept" in self.headers:  # manifests are served by what the client accepts
+                sent["Accept"] = ", ".join(self.headers.get_all("Accept") or [])
+            upstream = session.request(self.command, front.upstream + self.path, headers=sent,
+                                       timeout=60)
             body = upstream.content
             if (front.mode == "corrupt" and seen == 1
                     and asked.startswith(f"bytes={front.target}-")):
@@ -92,8 +98,11 @@ def _handler(front: Front) -> type[BaseHTTPRequestHandler]:
             for name in PASSED:
                 if name in upstream.headers:
                     self.send_header(name, upstream.headers[name])
-            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Content-Length", upstream.headers.get("Content-Length", "0")
+                             if self.command == "HEAD" else str(len(body)))
             self.end_headers()
+            if self.command == "HEAD":
+                return
             with front.lock:
                 front.answered += 1
                 broken = front.mode == "break" and front.answered > front.keep
@@ -103,6 +112,8 @@ def _handler(front: Front) -> type[BaseHTTPRequestHandler]:
                 self.close_connection = True
                 return
             self.wfile.write(body)
+
+        do_HEAD = do_GET  # noqa: N815 (http.server's name)
 
     return Handler
 
@@ -187,6 +198,33 @@ def test_a_published_squashfs_arrives_as_parallel_verified_ranges(front: Front, 
     assert not sidecar_path(storage.partial_download(blob.published.blob)).exists()
 
 
+def test_the_importers_path_takes_ranges_as_the_policy_says(front: Front, blob: Blob,
+                                                            tmp_path: Path) -> None:
+    """fetch_trusted, as a conversion and the Pyxis importer call it, for a pinned blob."""
+    storage = Storage(tmp_path / "cache")
+    storage.prepare()
+    got, said, counted = blob.published, [], []
+
+    def count(total: int | None) -> Callable[[int], None]:
+        assert total == len(blob.data)
+        return counted.append
+
+    def no_layers() -> MergedView:
+        raise AssertionError("a pinned fetch reads no layers")
+
+    for connections, ranged in ((4, True), (1, False)):
+        storage.fetched(got.repository, got.blob).unlink(missing_ok=True)
+        front.asked.clear()
+        counted.clear()
+        policy = PublishedPolicy(pins=frozenset({got.blob}), range_connections=connections)
+        fetched = fetch_trusted(RegistryClient(front.url), storage, got.repository, got.subject,
+                                "zstd", policy, no_layers, said.append, count)
+        assert fetched is not None and fetched.path.read_bytes() == blob.data, said
+        assert sum(counted) == len(blob.data)
+        ranges = [r for r in front.asked.elements() if r.startswith("bytes=")]
+        assert len(ranges) == (chunk_count(len(blob.data), CHUNK) if ranged else 0), said
+
+
 def test_a_corrupted_chunk_alone_is_fetched_again(front: Front, blob: Blob,
                                                   tmp_path: Path) -> None:
     front.mode, front.target = "corrupt", 5 * CHUNK
@@ -226,6 +264,26 @@ def test_a_broken_download_resumes_with_the_missing_chunks_only(front: Front, bl
     assert asked == {i * CHUNK for i in range(count) if i not in done}
     assert 0 < len(asked) <= count - 6 and set(front.asked.values()) == {1}
     assert received == sum(min(CHUNK, len(blob.data) - start) for start in asked)
+
+
+def test_one_stream_goes_on_from_a_ranged_downloads_first_chunks(front: Front, blob: Blob,
+                                                                 tmp_path: Path) -> None:
+    """enroot.range_connections set to 1 after a ranged fetch broke off: the single stream
+    resumes from the run of done chunks at the start, not from the preallocated length."""
+    front.mode, front.keep = "break", 10  # 4 connections: chunks 0-6 at least are whole
+    partial, said = tmp_path / "blob.part", []
+    with pytest.raises(RegistryError, match="broke off"):
+        _fetch(front, blob, partial, said)
+    done = set(json.loads(sidecar_path(partial).read_text())["done"])
+    run = next(i for i in range(len(blob.published.chunks) + 1) if i not in done)
+    front.mode, front.asked = "pass", collections.Counter()
+    got = blob.published
+    received = fetch_ranges(RegistryClient(front.url), got.repository, got.blob, partial,
+                            got.size, CHUNK, got.chunks, 1, None, said.append)
+    assert partial.read_bytes() == blob.data and not sidecar_path(partial).exists()
+    kept = run * CHUNK - run * CHUNK % ALIGN  # the single stream resumes aligned
+    assert received == len(blob.data) - kept and kept > 0
+    assert list(front.asked) == [f"bytes={kept}-"]
 
 
 def test_without_chunk_digests_a_bad_range_redoes_the_whole_download(
