@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from imgpipe.enroot.cache.storage import STALE_AFTER_S, Storage
 from imgpipe.enroot.published.artifact import (
     ARTIFACT_TYPE,
     CHUNK_SIZE,
@@ -120,3 +121,19 @@ def test_the_record_of_done_chunks_is_this_users_regular_file(tmp_path: Path) ->
     sidecar_path(partial).unlink()
     sidecar_path(partial).write_text("not json")
     assert _read_sidecar(partial) == {}
+
+
+def test_a_stale_record_goes_with_its_partial_download(tmp_path: Path) -> None:
+    storage = Storage(tmp_path / "cache")
+    storage.prepare()
+    partial = storage.partial_download(BLOB)
+    partial.write_bytes(b"x")
+    _write_sidecar(partial, BLOB, 3 * CHUNK, CHUNK, {0})
+    fresh = storage.partial_download(SUBJECT)
+    _write_sidecar(fresh, SUBJECT, 3 * CHUNK, CHUNK, {1})
+    old = os.stat(partial).st_mtime - STALE_AFTER_S - 60
+    for path in (partial, sidecar_path(partial)):
+        os.utime(path, (old, old))
+    storage.sweep()
+    assert not partial.exists() and not sidecar_path(partial).exists()
+    assert sidecar_path(fresh).exists()  # a download resumed within the day keeps its record
