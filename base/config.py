@@ -206,6 +206,10 @@ class EnrootConfig(_Strict):
                                   "(blobs are always checked against their digests)")
     max_connections: int = Field(default=4, ge=1, le=64, description="layers fetched in "
                                  "parallel by a conversion (Enroot's ENROOT_MAX_CONNECTIONS)")
+    range_connections: int = Field(default=4, ge=1, le=64, description="byte ranges of a "
+                                   "published squashfs fetched at once, each checked against "
+                                   "the chunk digests published with it (a bad range is "
+                                   "fetched again alone); 1: one stream")
     cache_max_size: str | None = Field(default=None, description="prune the shared cache "
                                        "to this size (e.g. 500G) after each conversion")
     published: bool = Field(default=True, description="fetch a squashfs published beside "

@@ -74,7 +74,8 @@ def write_shared(settings: Settings, argument: str,
     done = convert(registry_client(settings), cache, ref, squash_options(settings), say,
                    connections=enroot.max_connections,
                    published=PublishedPolicy(enroot.published, frozenset(),
-                                             enroot.published_unpinned))
+                                             enroot.published_unpinned,
+                                             enroot.range_connections))
     if done.converted and enroot.cache_max_size:  # the shared entries are the writer's
         prune_after_conversion(cache, enroot.cache_max_size, done.path, say)
     return Written(done.path, done.converted, time.monotonic() - started)

@@ -45,7 +45,8 @@ def convert_and_record(settings: Settings, target: str, flavor: str, compression
         ref = Reference.parse(target, default_registry=settings.registry.address)
         options = squash_options(settings, None, compression)
     published = PublishedPolicy(settings.enroot.published and not no_published, pins,
-                        settings.enroot.published_unpinned)
+                                settings.enroot.published_unpinned,
+                                settings.enroot.range_connections)
     conversion = convert(registry_client(settings), storage(settings), ref, options,
                          say=progress.step, with_enroot=with_enroot,
                          connections=settings.enroot.max_connections, count=progress.transfer,

@@ -291,7 +291,8 @@ def get(uri: str) -> Path:
                       enroot.processors, enroot.verify_diff_ids),
         say=say,
         connections=enroot.max_connections,
-        published=PublishedPolicy(enroot.published, unpinned=enroot.published_unpinned))
+        published=PublishedPolicy(enroot.published, unpinned=enroot.published_unpinned,
+                                  range_connections=enroot.range_connections))
     if conversion.converted and enroot.cache_max_size:
         from imgpipe.commands.cache import prune_after_conversion
 

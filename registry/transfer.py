@@ -43,8 +43,10 @@ def _location(client: RegistryClient, response: requests.Response) -> str:
 
 
 def push_blob(client: RegistryClient, repository: str, path: Path, digest: str,
-              progress: Callable[[int], None] | None = None) -> bool:
-    """Upload the file ``path`` as blob ``digest``; False when the registry had it."""
+              progress: Callable[[int], None] | None = None,
+              on_read: Callable[[bytes], None] | None = None) -> bool:
+    """Upload the file ``path`` as blob ``digest``; False when the registry had it (then
+    nothing is read).  ``on_read`` sees every byte read, in order (hashing in this pass)."""
     if client.blob_exists(repository, digest):
         return False
     response = client.request("POST", f"/v2/{repository}/blobs/uploads/", ok={202})
@@ -52,6 +54,8 @@ def push_blob(client: RegistryClient, repository: str, path: Path, digest: str,
     sent = 0
     with open(path, "rb") as source:
         while chunk := source.read(UPLOAD_CHUNK):
+            if on_read:
+                on_read(chunk)
             response = client.request(
                 "PATCH", location, ok={202}, data=chunk,
                 headers={"Content-Type": "application/octet-stream",
@@ -88,11 +92,12 @@ def put_manifest(client: RegistryClient, repository: str, reference: str, raw: b
     return digest
 
 
-def _own_partial(partial: Path) -> int:
-    """Open (or create) this user's partial file without following a link; its fd."""
+def open_partial(partial: Path) -> tuple[int, bool]:
+    """Open (or create) this user's partial file without following a link: its fd, and
+    whether it was created by this call."""
     flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        fd = os.open(partial, flags | os.O_CREAT | os.O_EXCL, 0o600)
+        return os.open(partial, flags | os.O_CREAT | os.O_EXCL, 0o600), True
     except FileExistsError:
         fd = os.open(partial, flags)
         info = os.fstat(fd)
@@ -100,7 +105,7 @@ def _own_partial(partial: Path) -> int:
             os.close(fd)
             raise RegistryError(f"{partial} is not this user's partial download",
                                 hint=f"remove {partial}") from None
-    return fd
+    return fd, False
 
 
 def _received(response: requests.Response, chunks: int = 8) -> Iterator[bytes]:
@@ -134,7 +139,7 @@ def _received(response: requests.Response, chunks: int = 8) -> Iterator[bytes]:
 def _kept_start(partial: Path) -> tuple[int, hashlib._Hash]:
     """The aligned start of this user's partial download (a longer tail is cut off: direct
     writes resume at an ALIGN boundary) and the hash of those bytes."""
-    fd = _own_partial(partial)
+    fd, _ = open_partial(partial)
     with os.fdopen(fd, "r+b") as kept_file:
         size = os.fstat(kept_file.fileno()).st_size
         kept = size - size % ALIGN

@@ -2,7 +2,8 @@
 
     policy      whether a published squashfs may stand in for a conversion (pinned, or
                 the site's opt-in checked against the layers), and fetching it when so
-    artifact    the OCI artifact: find it among the referrers, publish, fetch, check
+    artifact    the OCI artifact: find it among the referrers, publish (with chunk
+                digests), fetch (as verified ranges, registry.ranges), check
     pins        which published squashfs digests a job trusts for each image (the
                 importer's fast path reads them with the standard library alone)
     inodes      what a squashfs file holds (paths, kinds, modes, owners), read from its

@@ -18,7 +18,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
 
@@ -32,8 +32,15 @@ from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.errors import RegistryError
 from imgpipe.registry.manifests import Manifest
 from imgpipe.registry.mediatypes import OCI_MANIFEST
+from imgpipe.registry.ranges import (
+    DEFAULT_CHUNK_SIZE,
+    ChunkHasher,
+    chunk_digests,
+    chunks_problem,
+    fetch_ranges,
+)
 from imgpipe.registry.referrers import attach, referrers, referrers_tag
-from imgpipe.registry.transfer import fetch_resumable, push_blob, push_bytes, put_manifest
+from imgpipe.registry.transfer import push_blob, push_bytes, put_manifest
 
 ARTIFACT_TYPE = "application/vnd.imgpipe.squashfs.v1"
 SQUASHFS_MEDIA_TYPE = "application/vnd.imgpipe.squashfs.v1.squashfs"
@@ -43,6 +50,8 @@ COMPRESSION = "org.imgpipe.squashfs.compression"
 FORMAT_KEY = "org.imgpipe.squashfs.format"
 SIZE = "org.imgpipe.squashfs.size"
 ENTRIES = "org.imgpipe.squashfs.entries"
+CHUNK_SIZE = "org.imgpipe.squashfs.chunk-size"
+CHUNKS = "org.imgpipe.squashfs.chunks"  # the sha256 of each chunk (hex), joined by commas
 VERSION = "org.imgpipe.version"
 CREATED = "org.opencontainers.image.created"
 TITLE = "org.opencontainers.image.title"
@@ -64,6 +73,8 @@ class PublishedSquashfs:
     format: str
     entries: int = 0
     version: str = ""
+    chunk_size: int = 0  # 0: published without chunk digests
+    chunks: tuple[str, ...] = ()  # the sha256 (hex) of each chunk_size piece of the blob
 
     @property
     def tag(self) -> str:
@@ -79,29 +90,48 @@ def imgpipe_version() -> str:
 
 
 def _from_manifest(repository: str, subject: str, manifest: Manifest
-                   ) -> PublishedSquashfs | None:
+                   ) -> tuple[PublishedSquashfs | None, str]:
+    """The artifact a manifest describes (None: not a squashfs artifact of ``subject``) and
+    why its chunk digests were ignored, if they were."""
     try:
         body = manifest.body
     except (ValueError, RegistryError):
-        return None
+        return None, ""
     if not isinstance(body, dict) or not isinstance(body.get("layers") or [], list) \
             or not isinstance(body.get("subject") or {}, dict) \
             or not isinstance(body.get("annotations") or {}, dict):
-        return None
+        return None, ""
     layers = body.get("layers") or []
     notes = body.get("annotations") or {}
     if (body.get("artifactType") != ARTIFACT_TYPE or len(layers) != 1
             or (body.get("subject") or {}).get("digest") != subject
             or not isinstance(layers[0], dict)
             or layers[0].get("mediaType") != SQUASHFS_MEDIA_TYPE):
-        return None
+        return None, ""
     try:
-        return PublishedSquashfs(repository, subject, manifest.digest, str(layers[0]["digest"]),
-                                 int(layers[0]["size"]), str(notes.get(COMPRESSION, "")),
-                                 str(notes.get(FORMAT_KEY, "")), int(notes.get(ENTRIES, 0)),
-                                 str(notes.get(VERSION, "")))
+        published = PublishedSquashfs(
+            repository, subject, manifest.digest, str(layers[0]["digest"]),
+            int(layers[0]["size"]), str(notes.get(COMPRESSION, "")),
+            str(notes.get(FORMAT_KEY, "")), int(notes.get(ENTRIES, 0)),
+            str(notes.get(VERSION, "")))
     except (KeyError, TypeError, ValueError):
-        return None
+        return None, ""
+    chunk_size, chunks, problem = _chunks(notes, published.size)
+    return replace(published, chunk_size=chunk_size, chunks=chunks), problem
+
+
+def _chunks(notes: dict[str, object], size: int) -> tuple[int, tuple[str, ...], str]:
+    """The chunk size and digests the annotations publish, checked (anyone who can push
+    writes them); (0, (), why) when they are unusable, (0, (), "") when there are none."""
+    if CHUNK_SIZE not in notes and CHUNKS not in notes:
+        return 0, (), ""
+    raw_size, raw_chunks = notes.get(CHUNK_SIZE), notes.get(CHUNKS)
+    if not isinstance(raw_size, str) or not raw_size.isdigit() or len(raw_size) > 12 \
+            or not isinstance(raw_chunks, str):
+        return 0, (), "its chunk annotations are not a size and a list"
+    chunks = tuple(raw_chunks.split(",")) if raw_chunks else ()
+    problem = chunks_problem(size, int(raw_size), chunks)
+    return (0, (), problem) if problem else (int(raw_size), chunks, "")
 
 
 def find_published(client: RegistryClient, repository: str, subject: str,
@@ -132,7 +162,7 @@ def find_published(client: RegistryClient, repository: str, subject: str,
             if exc.status != 404:  # 404: listed, but deleted since
                 _skipped(say, f"referrer {digest[:19]} of {repository}: {exc.message}")
             continue
-        published = _from_manifest(repository, subject, manifest)
+        published, problem = _from_manifest(repository, subject, manifest)
         if published is None:
             _skipped(say, f"referrer {digest[:19]} of {repository}: not a squashfs "
                      f"artifact of {subject[:19]}")
@@ -140,6 +170,9 @@ def find_published(client: RegistryClient, repository: str, subject: str,
         if published.format != FORMAT:
             continue
         if compression is None or published.compression == compression:
+            if problem and say is not None:
+                say(f"ignored the chunk digests of referrer {digest[:19]} of {repository}: "
+                    f"{shown(problem, 200)}; its download is verified by the whole digest")
             found.append(published)
     return found
 
@@ -151,14 +184,21 @@ def _skipped(say: Callable[[str], None] | None, what: str) -> None:
 
 def publish(client: RegistryClient, repository: str, subject: Manifest, squashfs: Path,
             blob: str, compression: str, entries: int,
-            progress: Callable[[int], None] | None = None) -> tuple[PublishedSquashfs, bool]:
-    """Push ``squashfs`` (whose digest is ``blob``) as an artifact of ``subject``; returns it
-    and whether anything was pushed (False: the same file was published already)."""
+            progress: Callable[[int], None] | None = None,
+            chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[PublishedSquashfs, bool]:
+    """Push ``squashfs`` (whose digest is ``blob``) as an artifact of ``subject``, with the
+    sha256 of each ``chunk_size`` piece (what a ranged fetch checks each range against);
+    returns it and whether anything was pushed (False: the same file was published
+    already)."""
     for existing in find_published(client, repository, subject.digest, compression):
         if existing.blob == blob:
             return existing, False
     size = squashfs.stat().st_size
-    push_blob(client, repository, squashfs, blob, progress)
+    hasher = ChunkHasher(chunk_size)  # fed by the upload's own reads
+    if push_blob(client, repository, squashfs, blob, progress, hasher.update):
+        chunks = hasher.digests()
+    else:  # the registry had the blob: nothing was read yet
+        chunks = chunk_digests(squashfs, chunk_size)
     empty = push_bytes(client, repository, EMPTY_JSON)
     annotations = {COMPRESSION: compression, FORMAT_KEY: FORMAT, SIZE: str(size),
                    ENTRIES: str(entries), VERSION: imgpipe_version(),
@@ -171,17 +211,18 @@ def publish(client: RegistryClient, repository: str, subject: Manifest, squashfs
                     "annotations": {TITLE: squashfs.name}}],
         "subject": {"mediaType": subject.media_type, "digest": subject.digest,
                     "size": len(subject.raw)},
-        "annotations": annotations,
+        # the chunk list stays out of the referrers index, where every artifact is listed
+        "annotations": {**annotations, CHUNK_SIZE: str(chunk_size), CHUNKS: ",".join(chunks)},
     }
     raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     published = PublishedSquashfs(repository, subject.digest, "", blob, size, compression,
-                                  FORMAT, entries, annotations[VERSION])
+                                  FORMAT, entries, annotations[VERSION], chunk_size,
+                                  tuple(chunks))
     digest = put_manifest(client, repository, published.tag, raw, OCI_MANIFEST)
     attach(client, repository, subject.digest,
            {"mediaType": OCI_MANIFEST, "digest": digest, "size": len(raw),
             "artifactType": ARTIFACT_TYPE, "annotations": annotations})
-    return PublishedSquashfs(repository, subject.digest, digest, blob, size, compression,
-                             FORMAT, entries, annotations[VERSION]), True
+    return replace(published, artifact=digest), True
 
 
 def partial_path(storage: Storage, blob: str) -> Path:
@@ -220,16 +261,27 @@ def check_contents(path: Path, allowed_setuid: set[str] | None) -> int:
 
 def fetch(client: RegistryClient, storage: Storage, published: PublishedSquashfs, final: Path,
           allowed_setuid: set[str] | None,
-          progress: Callable[[int], None] | None = None) -> tuple[int, int]:
-    """Stream the artifact's squashfs into the cache under ``final`` (call with the digest's
-    lock held): resumed from this user's partial download, digest verified, contents
-    checked, published atomically.  Returns (bytes received, entries)."""
+          progress: Callable[[int], None] | None = None, connections: int = 4,
+          say: Callable[[str], None] = lambda _: None) -> tuple[int, int]:
+    """Fetch the artifact's squashfs into the cache under ``final`` (call with the digest's
+    lock held): as ``connections`` ranges at once, each checked against the published chunk
+    digests (registry.ranges), resumed from this user's partial download, digest verified,
+    contents checked, published atomically.  Returns (bytes received, entries)."""
     partial = partial_path(storage, published.blob)
     free = shutil.disk_usage(storage.root).free
     if free < published.size:
         raise NoSpaceError(storage.root, published.size, free)
-    received = fetch_resumable(client, published.repository, published.blob, partial,
-                               progress, published.size)
+    chunk_size, chunks = published.chunk_size or DEFAULT_CHUNK_SIZE, published.chunks
+    if chunks and (problem := chunks_problem(published.size, chunk_size, chunks)):
+        # a pinned blob's size is the registry's own: the list may not fit it
+        say(f"ignored the chunk digests of {published.blob[:19]}: {problem}")
+        chunk_size, chunks = DEFAULT_CHUNK_SIZE, ()
+    if not chunks and connections > 1 and published.size > chunk_size:
+        say(f"published squashfs {published.blob[:19]} has no usable chunk digests: "
+            "its ranges are checked by the whole digest alone, so a bad range means the whole "
+            "download is redone")
+    received = fetch_ranges(client, published.repository, published.blob, partial,
+                            published.size, chunk_size, chunks, connections, progress, say)
     try:
         count = check_contents(partial, allowed_setuid)
         with atomic_path(final, mode=0o644) as tmp:

@@ -36,12 +36,13 @@ class PublishedPolicy:
     use: bool = True  # False: --no-published, enroot.published: false
     pins: frozenset[str] = field(default_factory=frozenset)  # trusted squashfs digests
     unpinned: bool = False  # enroot.published_unpinned: the site trusts its registry
+    range_connections: int = 4  # enroot.range_connections: ranges fetched at once
 
     def pinned_for(self, image_digest: str,
                    environ: Mapping[str, str] = os.environ) -> PublishedPolicy:
         """This policy with the environment's pins of ``image_digest`` added."""
         extra = Pins.from_env(environ).for_image(image_digest)
-        return PublishedPolicy(self.use, self.pins | extra, self.unpinned) if extra else self
+        return replace(self, pins=self.pins | extra) if extra else self
 
 
 @dataclass(frozen=True)
@@ -125,5 +126,5 @@ def _fetch_one(client: RegistryClient, storage: Storage, candidate: PublishedSqu
     say(f"fetch published squashfs {candidate.blob[:19]} ({candidate.size / 1e6:.1f} MB)")
     final = storage.fetched(candidate.repository, candidate.blob)
     received, entries = fetch(client, storage, candidate, final, allowed,
-                              count(candidate.size))
+                              count(candidate.size), policy.range_connections, say)
     return Fetched(candidate, final, received, entries)

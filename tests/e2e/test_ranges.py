@@ -1,0 +1,337 @@
+"""A published squashfs fetched as parallel, verified ranges (registry.ranges), against a
+real registry and, where a server must misbehave, a front in this process that passes
+requests to it and answers 200 to ranges, corrupts one chunk once, or breaks off.
+
+Each test counts the requests per range at the front: a bad chunk is fetched again alone,
+a resumed download asks only for the chunks it lacks.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import io
+import json
+import os
+import subprocess
+import tarfile
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import requests
+
+from imgpipe.base.directio import ALIGN
+from imgpipe.enroot.cache.storage import Storage
+from imgpipe.enroot.flatten.view import MergedView
+from imgpipe.enroot.published.artifact import (
+    PublishedSquashfs,
+    fetch,
+    find_published,
+    publish,
+)
+from imgpipe.enroot.published.policy import PublishedPolicy, fetch_trusted
+from imgpipe.registry.client import RegistryClient
+from imgpipe.registry.errors import DigestMismatchError, RegistryError
+from imgpipe.registry.ranges import chunk_count, fetch_ranges, sidecar_path
+from tests import services
+
+pytestmark = pytest.mark.slow
+
+CHUNK = 256 << 10
+PASSED = ("Content-Type", "Content-Range", "Docker-Distribution-Api-Version",
+          "Docker-Content-Digest")
+
+
+@dataclass
+class Front:
+    """An HTTP front of the registry: ``mode`` is pass, corrupt (the first answer for the
+    range starting at ``target`` has a byte flipped), no-ranges (200, the whole blob), or
+    break (after ``keep`` ranges, every answer stops half-way and the connection closes)."""
+
+    upstream: str
+    mode: str = "pass"
+    target: int = 0
+    keep: int = 0
+    asked: collections.Counter[str] = field(default_factory=collections.Counter)
+    answered: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    server: ThreadingHTTPServer | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def ranges(self) -> set[int]:
+        """The starts of the ranges asked for."""
+        return {int(r.split("=")[1].split("-")[0]) for r in self.asked if r}
+
+
+def _handler(front: Front) -> type[BaseHTTPRequestHandler]:
+    session = services.plain_session()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            asked = self.headers.get("Range", "")
+            with front.lock:
+                front.asked[asked] += 1
+                seen = front.asked[asked]
+            sent = {"Range": asked} if asked and front.mode != "no-ranges" else {}
+            if "Accept" in self.headers:  # manifests are served by what the client accepts
+                sent["Accept"] = ", ".join(self.headers.get_all("Accept") or [])
+            upstream = session.request(self.command, front.upstream + self.path, headers=sent,
+                                       timeout=60)
+            body = upstream.content
+            if (front.mode == "corrupt" and seen == 1
+                    and asked.startswith(f"bytes={front.target}-")):
+                body = bytes([body[0] ^ 0xFF]) + body[1:]
+            self.send_response(upstream.status_code)
+            for name in PASSED:
+                if name in upstream.headers:
+                    self.send_header(name, upstream.headers[name])
+            self.send_header("Content-Length", upstream.headers.get("Content-Length", "0")
+                             if self.command == "HEAD" else str(len(body)))
+            self.end_headers()
+            if self.command == "HEAD":
+                return
+            with front.lock:
+                front.answered += 1
+                broken = front.mode == "break" and front.answered > front.keep
+            if broken:
+                self.wfile.write(body[:len(body) // 2])
+                self.wfile.flush()
+                self.close_connection = True
+                return
+            self.wfile.write(body)
+
+        do_HEAD = do_GET  # noqa: N815 (http.server's name)
+
+    return Handler
+
+
+@pytest.fixture
+def front(registry_server: services.RegistryProcess) -> Iterator[Front]:
+    made = Front(registry_server.url)
+    made.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(made))
+    made.server.daemon_threads = True
+    thread = threading.Thread(target=made.server.serve_forever, daemon=True)
+    thread.start()
+    yield made
+    made.server.shutdown()
+    made.server.server_close()
+
+
+@dataclass(frozen=True)
+class Blob:
+    published: PublishedSquashfs
+    data: bytes
+
+
+def _sha256(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def _squashfs(folder: Path) -> Path:
+    """A real squashfs of about 4.5 MB that does not compress (random contents)."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name, size in (("a.bin", 3 << 20), ("b.bin", (1 << 20) + 12345)):
+            payload = os.urandom(size)
+            info = tarfile.TarInfo(name)
+            info.size = len(payload)
+            tar.addfile(info, io.BytesIO(payload))
+    out = folder / "random.sqsh"
+    subprocess.run(["tar2sqfs", "--quiet", "--compressor", "zstd", str(out)],
+                   input=buffer.getvalue(), check=True, capture_output=True, timeout=60)
+    return out
+
+
+@pytest.fixture
+def blob(registry_server: services.RegistryProcess, tmp_path: Path) -> Blob:
+    """A squashfs published with chunk digests of CHUNK bytes beside a fresh image."""
+    session, url = services.plain_session(), registry_server.url
+    repository = f"ranges/{tmp_path.name.lower().replace('_', '-')[:40]}"
+    digest = services.push_image(session, url, repository, "v1",
+                                 [services.tar_layer({"f": tmp_path.name.encode()})])
+    client = RegistryClient(url)
+    squashfs = _squashfs(tmp_path)
+    data = squashfs.read_bytes()
+    published, pushed = publish(client, repository, client.manifest(repository, digest),
+                                squashfs, _sha256(data), "zstd", 2, chunk_size=CHUNK)
+    assert pushed and published.chunk_size == CHUNK
+    assert len(published.chunks) == chunk_count(len(data), CHUNK) > 8
+    [found] = find_published(client, repository, digest, "zstd")
+    assert found == published  # what a reader finds is what was published
+    return Blob(published, data)
+
+
+def _fetch(front: Front, blob: Blob, partial: Path, said: list[str],
+           chunks: bool = True) -> int:
+    got = blob.published
+    return fetch_ranges(RegistryClient(front.url), got.repository, got.blob, partial,
+                        got.size, CHUNK, got.chunks if chunks else (), 4, None, said.append)
+
+
+def test_a_published_squashfs_arrives_as_parallel_verified_ranges(front: Front, blob: Blob,
+                                                                 tmp_path: Path) -> None:
+    storage = Storage(tmp_path / "cache")
+    storage.prepare()
+    final = tmp_path / "out.sqsh"
+    counted: list[int] = []
+    said: list[str] = []
+    received, entries = fetch(RegistryClient(front.url), storage, blob.published, final, None,
+                              counted.append, connections=4, say=said.append)
+    assert final.read_bytes() == blob.data and received == len(blob.data) == sum(counted)
+    assert entries >= 2 and said == []
+    count = chunk_count(len(blob.data), CHUNK)
+    assert front.ranges() == {i * CHUNK for i in range(count)}  # one request per chunk
+    assert set(front.asked.values()) == {1}
+    assert not sidecar_path(storage.partial_download(blob.published.blob)).exists()
+
+
+def test_the_importers_path_takes_ranges_as_the_policy_says(front: Front, blob: Blob,
+                                                            tmp_path: Path) -> None:
+    """fetch_trusted, as a conversion and the Pyxis importer call it, for a pinned blob."""
+    storage = Storage(tmp_path / "cache")
+    storage.prepare()
+    got, said, counted = blob.published, [], []
+
+    def count(total: int | None) -> Callable[[int], None]:
+        assert total == len(blob.data)
+        return counted.append
+
+    def no_layers() -> MergedView:
+        raise AssertionError("a pinned fetch reads no layers")
+
+    for connections, ranged in ((4, True), (1, False)):
+        storage.fetched(got.repository, got.blob).unlink(missing_ok=True)
+        front.asked.clear()
+        counted.clear()
+        policy = PublishedPolicy(pins=frozenset({got.blob}), range_connections=connections)
+        fetched = fetch_trusted(RegistryClient(front.url), storage, got.repository, got.subject,
+                                "zstd", policy, no_layers, said.append, count)
+        assert fetched is not None and fetched.path.read_bytes() == blob.data, said
+        assert sum(counted) == len(blob.data)
+        ranges = [r for r in front.asked.elements() if r.startswith("bytes=")]
+        assert len(ranges) == (chunk_count(len(blob.data), CHUNK) if ranged else 0), said
+
+
+def test_a_corrupted_chunk_alone_is_fetched_again(front: Front, blob: Blob,
+                                                  tmp_path: Path) -> None:
+    front.mode, front.target = "corrupt", 5 * CHUNK
+    partial, said = tmp_path / "blob.part", []
+    _fetch(front, blob, partial, said)
+    assert partial.read_bytes() == blob.data
+    again = [r for r, n in front.asked.items() if n > 1]
+    assert again == [f"bytes={5 * CHUNK}-{6 * CHUNK - 1}"] and front.asked[again[0]] == 2
+    assert len(said) == 1 and "chunk 5 " in said[0] and "fetching it again" in said[0]
+    assert blob.published.chunks[5] in said[0]
+
+
+def test_a_server_that_ignores_ranges_gets_one_stream(front: Front, blob: Blob,
+                                                      tmp_path: Path) -> None:
+    front.mode = "no-ranges"
+    partial, said = tmp_path / "blob.part", []
+    _fetch(front, blob, partial, said)
+    assert partial.read_bytes() == blob.data
+    assert said == [f"{front.url.split('://')[1]} answered 200 to a range request: "
+                    "downloading in one stream"]
+    assert not sidecar_path(partial).exists()
+
+
+def test_a_broken_download_resumes_with_the_missing_chunks_only(front: Front, blob: Blob,
+                                                                tmp_path: Path) -> None:
+    front.mode, front.keep = "break", 6
+    partial, said = tmp_path / "blob.part", []
+    with pytest.raises(RegistryError, match="broke off"):
+        _fetch(front, blob, partial, said)
+    done = json.loads(sidecar_path(partial).read_text())["done"]
+    count = chunk_count(len(blob.data), CHUNK)
+    assert len(done) >= 6
+    front.mode, front.asked = "pass", collections.Counter()
+    received = _fetch(front, blob, partial, said)
+    assert partial.read_bytes() == blob.data and not sidecar_path(partial).exists()
+    asked = front.ranges()
+    assert asked == {i * CHUNK for i in range(count) if i not in done}
+    assert 0 < len(asked) <= count - 6 and set(front.asked.values()) == {1}
+    assert received == sum(min(CHUNK, len(blob.data) - start) for start in asked)
+
+
+def test_one_stream_goes_on_from_a_ranged_downloads_first_chunks(front: Front, blob: Blob,
+                                                                 tmp_path: Path) -> None:
+    """enroot.range_connections set to 1 after a ranged fetch broke off: the single stream
+    resumes from the run of done chunks at the start, not from the preallocated length."""
+    front.mode, front.keep = "break", 10  # 4 connections: chunks 0-6 at least are whole
+    partial, said = tmp_path / "blob.part", []
+    with pytest.raises(RegistryError, match="broke off"):
+        _fetch(front, blob, partial, said)
+    done = set(json.loads(sidecar_path(partial).read_text())["done"])
+    run = next(i for i in range(len(blob.published.chunks) + 1) if i not in done)
+    front.mode, front.asked = "pass", collections.Counter()
+    got = blob.published
+    received = fetch_ranges(RegistryClient(front.url), got.repository, got.blob, partial,
+                            got.size, CHUNK, got.chunks, 1, None, said.append)
+    assert partial.read_bytes() == blob.data and not sidecar_path(partial).exists()
+    kept = run * CHUNK - run * CHUNK % ALIGN  # the single stream resumes aligned
+    assert received == len(blob.data) - kept and kept > 0
+    assert list(front.asked) == [f"bytes={kept}-"]
+
+
+def test_without_chunk_digests_a_bad_range_redoes_the_whole_download(
+        front: Front, blob: Blob, registry_server: services.RegistryProcess,
+        tmp_path: Path) -> None:
+    """An artifact published before chunk digests: ranges still, the whole digest decides."""
+    front.mode, front.target = "corrupt", 3 * CHUNK
+    partial, said = tmp_path / "blob.part", []
+    with pytest.raises(DigestMismatchError, match="failed verification"):
+        _fetch(front, blob, partial, said, chunks=False)
+    assert partial.stat().st_size == 0 and not sidecar_path(partial).exists()
+    _fetch(front, blob, partial, said, chunks=False)  # the corruption was once
+    assert partial.read_bytes() == blob.data and said == []
+    storage = Storage(tmp_path / "cache")
+    storage.prepare()
+    old = replace(blob.published, chunk_size=0, chunks=())
+    said.clear()
+    client = RegistryClient(registry_server.url)
+    fetch(client, storage, old, tmp_path / "old.sqsh", None, connections=4, say=said.append)
+    assert (tmp_path / "old.sqsh").read_bytes() == blob.data  # under 2 chunks of 64 MiB
+    assert said == []
+
+
+def test_hostile_chunk_digests_are_ignored_in_one_line(front: Front, blob: Blob,
+                                                       tmp_path: Path) -> None:
+    partial, said = tmp_path / "blob.part", []
+    wrong = replace(blob.published, chunks=blob.published.chunks[:-1])
+    fetch_ranges(RegistryClient(front.url), wrong.repository, wrong.blob, partial, wrong.size,
+                 CHUNK, wrong.chunks, 4, None, said.append)
+    assert partial.read_bytes() == blob.data
+    assert len(said) == 1 and "ignored the chunk digests" in said[0], said
+    # A list that names other bytes throughout: the whole digest decides, after one chunk
+    # came twice with the same bytes.
+    partial.unlink()
+    said.clear()
+    front.asked.clear()
+    lying = tuple("0" * 64 for _ in blob.published.chunks)
+    fetch_ranges(RegistryClient(front.url), wrong.repository, wrong.blob, partial, wrong.size,
+                 CHUNK, lying, 4, None, said.append)
+    assert partial.read_bytes() == blob.data
+    assert sum(front.asked.values()) <= len(lying) + 4  # at most one retry per connection
+    assert len([line for line in said if "not trusted" in line]) == 1
+
+
+def test_a_plain_registry_answers_ranges_with_206(registry_server: services.RegistryProcess,
+                                                  blob: Blob) -> None:
+    """What the ranged fetch relies on: registry 2.8 serves a blob's byte range."""
+    got = blob.published
+    answer = requests.get(f"{registry_server.url}/v2/{got.repository}/blobs/{got.blob}",
+                          headers={"Range": f"bytes={CHUNK}-{2 * CHUNK - 1}"}, timeout=60)
+    assert answer.status_code == 206 and answer.content == blob.data[CHUNK:2 * CHUNK]
