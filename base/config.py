@@ -169,7 +169,7 @@ class RegistryConfig(_Strict):
     blob_cache: str | None = Field(default=None, description="a blob cache in front of the "
                                    "registry (http://rack1:5080: `imgpipe registry cache up`, "
                                    "or a Dragonfly dfdaemon's registry mirror): blobs are "
-                                   "fetched through it, checked against their digests, and "
+                                   "fetched (GET) through it, checked against their digests, and "
                                    "from the registry itself when it does not answer; "
                                    "manifests always come from the registry")
     cache_server: CacheServerConfig = CacheServerConfig()

@@ -5,8 +5,8 @@ What it lets through, and why (docs/admin.md, "A cache tier for racks"):
 * Only ``GET``/``HEAD /v2/<name>/blobs/sha256:<64 hex>`` is proxied, and cached by the
   digest alone (the same layer in two repositories is one entry); every other path gets
   404 from nginx itself, so manifests, tags, uploads and token requests never pass through
-  it.  Clients send only blob requests here (``registry.client``); they check every byte
-  against its digest, so a cache cannot change what a job runs.
+  it.  imgpipe sends only blob downloads (``GET``) here (registry.cacheroute); it checks
+  every byte against its digest, so a cache cannot change what a job runs.
 * Blobs are cached in slices (nginx's ``slice`` module): the registry is asked for
   ``SLICE``-sized ranges, each cached under ``digest + range``.  A ``Range`` request on a
   miss then costs only the slices it covers, and ``proxy_cache_lock`` collapses concurrent

@@ -1,7 +1,9 @@
 """Which requests go to the blob cache (``registry.blob_cache``), and what is said when it fails.
 
-Only ``GET``/``HEAD /v2/<name>/blobs/sha256:<hex>`` is routed there; manifests, tags,
-uploads and tokens always go to the registry itself.  Callers check every blob's bytes
+Only ``GET /v2/<name>/blobs/sha256:<hex>`` is routed there; manifests, tags, uploads
+and tokens always go to the registry itself, and so does ``HEAD`` of a blob: whether a blob
+exists is the registry's to say (a cache still holds blobs the registry has deleted, and a
+push that believed it would skip an upload the registry needs).  Callers check every blob's bytes
 against its digest, so the cache can make a fetch faster but never change what a job
 runs.  A cache that does not answer (refused, silent, 5xx, an answer that is not the
 registry's) or that served wrong bytes is said once per process, in one line on stderr,
@@ -39,7 +41,7 @@ class BlobCacheRoute:
 
     def takes(self, method: str, path: str) -> bool:
         """Whether this request goes to the cache (a blob by digest, cache not refused)."""
-        return (self.url not in _REFUSED and method in ("GET", "HEAD")
+        return (self.url not in _REFUSED and method == "GET"
                 and BLOB_PATH.fullmatch(path) is not None)
 
     def served(self, response: requests.Response) -> bool:

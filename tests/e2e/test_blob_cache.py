@@ -123,17 +123,21 @@ def test_ranges_through_the_cache_answer_206_with_the_right_bytes(tier, registry
     assert registry_sent(registry, digest) == (2, len(data) - SLICE)
 
 
-def test_errors_are_not_cached(tier, registry) -> None:
-    """A blob asked for before it was pushed is served once it is: a 404 is never stored."""
+def test_errors_are_not_cached_and_existence_is_the_registrys(tier, registry) -> None:
+    """A blob asked for before it was pushed is served once it is: a 404 is never stored.
+    HEAD (does it exist?) goes to the registry itself, never to the cache."""
     _, settings = tier
     data = os.urandom(1 << 20)
     digest = services.digest_of(data)
     client = registry_client(settings)
-    assert client.blob_exists("tier/blob", digest) is False
+    path = f"/v2/tier/blob/blobs/{digest}"
+    missing = client.request("GET", path, ok={200, 404})
+    assert missing.status_code == 404 and missing.url.startswith(settings.registry.blob_cache)
     services.push_blob(services.plain_session(), registry.url, "tier/blob", data)
-    assert client.blob_exists("tier/blob", digest) is True
-    reply = client.request("GET", f"/v2/tier/blob/blobs/{digest}")
+    reply = client.request("GET", path)
     assert reply.url.startswith(settings.registry.blob_cache + "/") and reply.content == data
+    head = client.request("HEAD", path)
+    assert head.url.startswith(registry.url + "/")
 
 
 def test_a_cache_that_is_down_costs_one_line_and_the_fetch_works(

@@ -10,7 +10,7 @@ import pytest
 from imgpipe.base.config import parse_settings
 from imgpipe.base.errors import ConfigError
 from imgpipe.registry.blobcacheconf import NginxLayout, render
-from imgpipe.registry.cacheroute import BLOB_PATH
+from imgpipe.registry.cacheroute import BLOB_PATH, BlobCacheRoute
 
 DIGEST = "sha256:" + "ab" * 32
 
@@ -62,6 +62,9 @@ def test_allow_and_https_upstream() -> None:
 ])
 def test_which_requests_go_to_the_cache(path: str, routed: bool) -> None:
     assert (BLOB_PATH.fullmatch(path) is not None) is routed
+    route = BlobCacheRoute("http://rack1:5080/")
+    assert route.takes("GET", path) is routed
+    assert route.takes("HEAD", path) is False  # existence is the registry's to say
 
 
 @pytest.mark.parametrize(("value", "ok"), [
