@@ -48,6 +48,14 @@ class BlobCacheRoute:
         """Whether ``response`` (or a redirect before it) came from the cache."""
         return any(r.url.startswith(self.url + "/") for r in (*response.history, response))
 
+    def blame(self, response: requests.Response, what: str) -> bool:
+        """When ``response`` came from the cache: refuse it (``what`` it did) and True,
+        so that the caller asks the registry itself."""
+        if not self.served(response):
+            return False
+        self.refuse(what)
+        return True
+
     def refuse(self, what: str) -> None:
         """Bypass the cache for the rest of the process; say so once."""
         if self.url not in _REFUSED:

@@ -192,13 +192,9 @@ class RegistryClient:
             cache.refuse(f"does not answer as the registry (HTTP {status})")
         return None
 
-    def _blame_blob_cache(self, response: requests.Response, what: str) -> bool:
-        """When ``response`` came from the blob cache: bypass it from now on (said once),
-        and True, so that the caller asks the registry itself."""
-        if self.blob_cache is None or not self.blob_cache.served(response):
-            return False
-        self.blob_cache.refuse(what)
-        return True
+    def _blame(self, response: requests.Response, what: str) -> bool:
+        """True (the cache now bypassed) when ``response`` came from the blob cache."""
+        return self.blob_cache is not None and self.blob_cache.blame(response, what)
 
     def _send(self, method: str, url: str, headers: dict[str, str],
               params: dict[str, str] | None, stream: bool,
@@ -394,7 +390,7 @@ class RegistryClient:
             body = response.content
             if algorithm == "sha256" and hashlib.sha256(body).hexdigest() == expected:
                 break
-            if attempt == 1 and self._blame_blob_cache(
+            if attempt == 1 and self._blame(
                     response, f"served config {digest[:19]} with bytes that do not match it"):
                 continue
             raise DigestMismatchError(f"config {digest} of {repository} failed verification",
@@ -459,7 +455,7 @@ class RegistryClient:
                     if progress:
                         progress(received)
         except (requests.RequestException, HTTPError) as exc:
-            if may_retry and self._blame_blob_cache(
+            if may_retry and self._blame(
                     response, f"broke off sending blob {digest[:19]}"):
                 return False
             raise RegistryError(f"download of {digest} from {self.address} broke off",
@@ -467,7 +463,7 @@ class RegistryClient:
         finally:
             response.close()
         if hasher.hexdigest() != expected:
-            if may_retry and self._blame_blob_cache(
+            if may_retry and self._blame(
                     response, f"served blob {digest[:19]} with bytes that do not match it"):
                 return False
             raise DigestMismatchError(

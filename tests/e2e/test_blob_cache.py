@@ -307,3 +307,45 @@ def test_a_registry_with_a_login_decides_on_every_miss(cli, state_dir, tmp_path_
         cli("registry", "cache", "down")
         server.stop()
         tokens.stop()
+
+
+def test_the_importer_starts_a_job_through_the_cache_and_without_it(tier, registry,
+                                                                    tmp_path) -> None:
+    """The Pyxis importer on a node whose config names the cache: its blobs come through
+    it; with the cache down the job still starts, with one line said."""
+    import subprocess
+    import sys
+
+    cli, settings = tier
+    layer = services.tar_layer({"srv/data.bin": os.urandom(2 << 20), "etc/hello": b"hi\n"})
+    services.push_image(services.plain_session(), registry.url, "tier/job", "v1", [layer])
+    importer = Path(sys.executable).parent / "imgpipe-pyxis-importer"
+    uri = f"docker://127.0.0.1:{registry.port}#tier/job:v1"
+
+    def start_job(name: str) -> subprocess.CompletedProcess[str]:
+        config = tmp_path / f"{name}.yaml"
+        config.write_text(json.dumps({
+            "registry": {"port": registry.port, "blob_cache": settings.registry.blob_cache},
+            "outputs": {"squashfs_dir": str(tmp_path / name)}}))
+        env = {**os.environ, "IMGPIPE_CONFIG": str(config), "SLURM_JOB_ID": "7",
+               "SLURM_STEP_ID": "0", "XDG_RUNTIME_DIR": str(tmp_path)}
+        return subprocess.run([str(importer), "get", uri], capture_output=True, text=True,
+                              env=env, timeout=300)
+
+    through = start_job("node-a")
+    assert through.returncode == 0, through.stderr
+    assert Path(through.stdout.strip()).is_file() and "blob cache" not in through.stderr
+    access = (state_dir_of(settings) / "access.log").read_text()
+    assert services.digest_of(layer) in access  # the layer came through the cache
+
+    assert cli("registry", "cache", "down")[0] == 0
+    without = start_job("node-b")
+    assert without.returncode == 0, without.stderr
+    assert Path(without.stdout.strip()).is_file()
+    said = [line for line in without.stderr.splitlines() if "blob cache" in line]
+    assert said == [f"imgpipe: the blob cache at {settings.registry.blob_cache} does not "
+                    "answer (cannot connect): fetching from the registry"]
+
+
+def state_dir_of(settings: Settings) -> Path:
+    return settings.path(settings.registry.cache_server.state_dir)
