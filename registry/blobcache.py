@@ -16,6 +16,7 @@ import grp
 import os
 import pwd
 import signal
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,6 +113,31 @@ class BlobCacheServer:
             for folder in folders[1:]:
                 os.chown(folder, entry.pw_uid, entry.pw_gid)
 
+    def _check_reachable(self) -> None:
+        """As root: refuse a folder the workers' account cannot reach (a checkout under
+        /root, pytest's folders), which would fail every blob request with a 500."""
+        if self.user is None:
+            return
+        entry = pwd.getpwnam(self.user)
+        groups = {entry.pw_gid, *os.getgrouplist(self.user, entry.pw_gid)}
+        for folder in (self.layout.temp_dir, self.layout.cache_dir):
+            for above in reversed(folder.parents):
+                try:
+                    info = above.stat()
+                except FileNotFoundError:
+                    break  # made by _prepare, with the umask's modes
+                if info.st_uid == entry.pw_uid:
+                    bit = stat.S_IXUSR
+                else:
+                    bit = stat.S_IXGRP if info.st_gid in groups else stat.S_IXOTH
+                if not info.st_mode & bit:
+                    raise LocalRegistryError(
+                        f"nginx's workers run as {self.user} and cannot reach {folder}: "
+                        f"{above} (mode {stat.S_IMODE(info.st_mode):04o}) is closed to them",
+                        hint="choose a registry.cache_server.state_dir (and cache_dir) they "
+                        "can reach, such as /var/lib/imgpipe/blob-cache, or set "
+                        "registry.cache_server.user")
+
     # -- state ------------------------------------------------------------------------------
 
     def pid(self) -> int | None:
@@ -154,6 +180,7 @@ class BlobCacheServer:
                 f"port {server.port} on {server.bind} is in use by another program",
                 hint="stop it, or choose another registry.cache_server.port in imgpipe.yaml")
         binary = process.require("nginx")
+        self._check_reachable()  # before any folder is made: a refusal leaves nothing
         self._prepare()
         atomic_write(self.config_file, self.render_config(), mode=0o644)
         with contextlib.suppress(FileNotFoundError):

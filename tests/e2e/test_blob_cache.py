@@ -258,6 +258,14 @@ def test_bad_input_is_one_line(cli, registry, state_dir, monkeypatch) -> None:
         "error: nginx is not installed (hint: install nginx-light)"]
     monkeypatch.undo()
 
+    if os.geteuid() == 0:  # pytest's own folders are closed to nginx's workers (nobody)
+        configure(cli, registry, cli.folder / "closed")
+        code, _, err = cli("registry", "cache", "up")
+        assert code == 1 and len(err.strip().splitlines()) == 1
+        assert "nginx's workers run as nobody and cannot reach" in err
+        assert "is closed to them (hint: choose a registry.cache_server.state_dir" in err
+        assert not (cli.folder / "closed").exists()  # nothing left behind
+
     cli.write_config({"registry": {"blob_cache": "rack1:5080"}})
     code, _, err = cli("registry", "cache", "status")
     assert code == 2 and len(err.strip().splitlines()) == 1  # a config error: as usage
