@@ -185,7 +185,9 @@ class RegistryClient:
             read_capped(response, limit, f"{method} {url}")  # the registry's own answer
             raise self._status_error(method, url, response)
         response.close()
-        if status == 401 and not may_send:
+        if status == 401 and may_send:
+            return None  # the login was refused: the registry itself says so, in its words
+        if status == 401:
             cache.refuse("asks for a login, which goes to it only over https or with "
                          "registry.credentials.allow_http")
         else:

@@ -273,12 +273,13 @@ def test_bad_input_is_one_line(cli, registry, state_dir, monkeypatch) -> None:
 
 
 def test_a_registry_with_a_login_decides_on_every_miss(cli, state_dir, tmp_path_factory,
-                                                       tmp_path) -> None:
+                                                       tmp_path, capsys) -> None:
     """Token auth through the cache: the client's Authorization reaches the registry on a
     miss and is never stored; a 401 is not cached; and what is cached, anyone who reaches
     the cache reads by its digest (docs/admin.md says so)."""
     from imgpipe.registry.auth import Credentials
     from imgpipe.registry.client import RegistryClient
+    from imgpipe.registry.errors import AuthError
     from imgpipe.registry.transfer import push_bytes
 
     root = tmp_path_factory.mktemp("tier-token-registry")
@@ -311,6 +312,15 @@ def test_a_registry_with_a_login_decides_on_every_miss(cli, state_dir, tmp_path_
 
         again = services.plain_session().get(url, timeout=10)  # cached: no login asked
         assert again.status_code == 200 and again.content == data
+
+        other = os.urandom(1 << 20)
+        other_digest = push_bytes(client, "tier/secret", other)
+        wrong = RegistryClient(server.url, Credentials("alice", "wrong"), allow_http=True,
+                               blob_cache=cache)
+        capsys.readouterr()
+        with pytest.raises(AuthError, match="refused the credentials"):
+            wrong.fetch_blob("tier/secret", other_digest, tmp_path / "other")
+        assert "blob cache" not in capsys.readouterr().err  # a login problem is no cache's
     finally:
         cli("registry", "cache", "down")
         server.stop()
