@@ -25,6 +25,7 @@ PACKAGES=(
   squashfs-tools squashfs-tools-ng   # mksquashfs/unsquashfs, tar2sqfs
   debootstrap                        # base images without a public registry
   apache2-utils                      # htpasswd for registry auth
+  nginx-light                        # the blob cache tier (imgpipe registry cache up)
   slurm-wlm munge iproute2           # the multi-host sandbox Slurm (network namespaces)
   charliecloud-runtime squashfuse fuse3   # ch-run: jobs in containers from squashfs files
   shellcheck curl ca-certificates util-linux

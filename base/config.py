@@ -97,6 +97,58 @@ class ServerConfig(_Strict):
                                   "then asks for a login (Basic auth, over TLS)")
 
 
+class CacheServerConfig(_Strict):
+    """How `imgpipe registry cache up` runs a blob cache (nginx) in front of the registry."""
+
+    bind: str = Field(default="127.0.0.1", description="the address the blob cache listens "
+                      "on (0.0.0.0 on a rack host that serves its rack; then set allow)")
+    port: int = Field(default=5080, ge=1, le=65535, description="the blob cache's port")
+    state_dir: Path = Field(default=Path("build/registry-cache"), description="the cache's "
+                            "nginx.conf, pid, logs and temporary files")
+    cache_dir: Path | None = Field(default=None, description="where cached blobs are kept "
+                                   "(default: state_dir/blobs)")
+    max_size: str = Field(default="100G", description="the most the cached blobs may take "
+                          "(nginx evicts the least recently used beyond it)")
+    allow: list[str] = Field(default_factory=list, description="the addresses or CIDRs "
+                             "(10.1.0.0/16) that may read from it; empty: whoever reaches "
+                             "its port")
+    user: str | None = Field(default=None, description="the account nginx's workers run as "
+                             "when started by root (default: nobody); its folders are given "
+                             "to it")
+
+    @field_validator("max_size")
+    @classmethod
+    def _size(cls, value: str) -> str:
+        from imgpipe.base.units import parse_size
+
+        parse_size(value)
+        return value
+
+    @field_validator("allow")
+    @classmethod
+    def _networks(cls, value: list[str]) -> list[str]:
+        import ipaddress
+
+        for entry in value:
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError as exc:
+                raise ValueError(f"{entry!r} is not an address or CIDR such as "
+                                 "10.1.0.0/16") from exc
+        return value
+
+    @field_validator("bind")
+    @classmethod
+    def _bind(cls, value: str) -> str:
+        import ipaddress
+
+        try:
+            ipaddress.ip_address(value)
+        except ValueError as exc:
+            raise ValueError("must be an IP address such as 127.0.0.1 or 0.0.0.0") from exc
+        return value
+
+
 class RegistryConfig(_Strict):
     """The registry imgpipe pushes to and reads from."""
 
@@ -114,6 +166,33 @@ class RegistryConfig(_Strict):
                                      description="give up connecting after this long")
     read_timeout_s: float = Field(default=20.0, gt=0, le=3600,
                                   description="give up after this much silence")
+    blob_cache: str | None = Field(default=None, description="a blob cache in front of the "
+                                   "registry (http://rack1:5080: `imgpipe registry cache up`, "
+                                   "or a Dragonfly dfdaemon's registry mirror): blobs are "
+                                   "fetched (GET) through it, checked against their digests, and "
+                                   "from the registry itself when it does not answer; "
+                                   "manifests always come from the registry")
+    cache_server: CacheServerConfig = CacheServerConfig()
+
+    @field_validator("blob_cache")
+    @classmethod
+    def _cache_url(cls, value: str | None) -> str | None:
+        if not value:
+            return None
+        from urllib.parse import urlsplit
+
+        try:
+            parts = urlsplit(value)
+            port = parts.port
+        except ValueError as exc:
+            raise ValueError(f"{value!r} is not a URL such as http://rack1:5080") from exc
+        if (parts.scheme not in ("http", "https") or not parts.hostname
+                or parts.path not in ("", "/") or parts.query or parts.fragment
+                or parts.username or parts.password):
+            raise ValueError(f"{value!r} is not a URL such as http://rack1:5080 (a scheme, "
+                             "a host and a port; no path, no login)")
+        del port
+        return value.rstrip("/")
 
     @field_validator("host")
     @classmethod

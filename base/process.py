@@ -40,6 +40,7 @@ PACKAGE_OF = {
     "shellcheck": "shellcheck",
     "debootstrap": "debootstrap",
     "htpasswd": "apache2-utils",
+    "nginx": "nginx-light",
     "enroot": "enroot (https://github.com/NVIDIA/enroot/releases)",
     "ch-run": "charliecloud-runtime",
     "squashfuse": "squashfuse",

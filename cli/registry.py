@@ -7,6 +7,7 @@ from dataclasses import asdict
 import click
 
 from imgpipe.base.units import human_bytes
+from imgpipe.cli.blobcache import cache
 from imgpipe.cli.clikit import CONTEXT, reporting, settings_of
 from imgpipe.cli.output import Result
 from imgpipe.commands.registry import (
@@ -30,7 +31,11 @@ def registry() -> None:
       imgpipe registry tags local/bert      # tags with their digests
       imgpipe registry rm local/bert:old    # delete that manifest
       imgpipe registry gc                   # reclaim the bytes nothing uses any more
+      imgpipe registry cache up             # a blob cache in front of it, for a rack
     """
+
+
+registry.add_command(cache)
 
 
 @registry.command(context_settings=CONTEXT)

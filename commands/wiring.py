@@ -34,7 +34,8 @@ def registry_client(settings: Settings) -> RegistryClient:
     ca_file = settings.path(registry.ca_file) if registry.ca_file else None
     return RegistryClient(registry.url, credentials=registry_credentials(settings), ca_file=ca_file,
                           timeout=(registry.connect_timeout_s, registry.read_timeout_s),
-                          allow_http=registry.credentials.allow_http)
+                          allow_http=registry.credentials.allow_http,
+                          blob_cache=registry.blob_cache)
 
 
 def storage(settings: Settings, root: Path | None = None) -> Storage:
