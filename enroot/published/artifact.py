@@ -29,7 +29,7 @@ from imgpipe.enroot.errors import ConvertError, NoSpaceError
 from imgpipe.enroot.flatten.rules import is_setid
 from imgpipe.enroot.published.inodes import entries, owners_and_xattrs
 from imgpipe.registry.client import RegistryClient
-from imgpipe.registry.errors import RegistryError
+from imgpipe.registry.errors import DigestMismatchError, RegistryError
 from imgpipe.registry.manifests import Manifest
 from imgpipe.registry.mediatypes import OCI_MANIFEST
 from imgpipe.registry.ranges import (
@@ -280,8 +280,18 @@ def fetch(client: RegistryClient, storage: Storage, published: PublishedSquashfs
         say(f"published squashfs {published.blob[:19]} has no usable chunk digests: "
             "its ranges are checked by the whole digest alone, so a bad range means the whole "
             "download is redone")
-    received = fetch_ranges(client, published.repository, published.blob, partial,
-                            published.size, chunk_size, chunks, connections, progress, say)
+    try:
+        received = fetch_ranges(client, published.repository, published.blob, partial,
+                                published.size, chunk_size, chunks, connections, progress, say)
+    except DigestMismatchError:
+        route = client.blob_cache
+        if route is None or not route.takes("GET", f"/v2/{published.repository}/blobs/"
+                                                   f"{published.blob}"):
+            raise
+        # the blob cache served bytes that are not the blob: the registry itself, once
+        route.refuse(f"served bytes of {published.blob[:19]} that do not hash to it")
+        received = fetch_ranges(client, published.repository, published.blob, partial,
+                                published.size, chunk_size, chunks, connections, progress, say)
     try:
         count = check_contents(partial, allowed_setuid)
         with atomic_path(final, mode=0o644) as tmp:

@@ -383,3 +383,48 @@ def test_the_importer_starts_a_job_through_the_cache_and_without_it(tier, regist
 
 def state_dir_of(settings: Settings) -> Path:
     return settings.path(settings.registry.cache_server.state_dir)
+
+
+def test_a_hostile_cache_serving_a_published_squashfs_is_bypassed(cli, registry, state_dir,
+                                                                   tmp_path, capsys) -> None:
+    """The importer's ranged fetch of a published squashfs: the cache's bytes fail the digest,
+    the cache is bypassed in one line and the registry's bytes are what is kept."""
+    import io
+    import subprocess
+    import tarfile
+
+    from imgpipe.enroot.cache.storage import Storage
+    from imgpipe.enroot.published.artifact import fetch, publish
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        payload = os.urandom(3 << 20)
+        info = tarfile.TarInfo("data.bin")
+        info.size = len(payload)
+        tar.addfile(info, io.BytesIO(payload))
+    squashfs = tmp_path / "image.sqsh"
+    subprocess.run(["tar2sqfs", "--quiet", "--compressor", "zstd", str(squashfs)],
+                   input=buffer.getvalue(), check=True, capture_output=True, timeout=60)
+    blob = "sha256:" + hashlib.sha256(squashfs.read_bytes()).hexdigest()
+    session = services.plain_session()
+    services.push_image(session, registry.url, "tier/sqsh", "v1",
+                        [services.tar_layer({"a": b"a"})])
+    hostile = Hostile()
+    try:
+        settings, _ = configure(cli, registry, state_dir, blob_cache=hostile.url)
+        plain = registry_client(configure(cli, registry, state_dir)[0])
+        published, _ = publish(plain, "tier/sqsh", plain.manifest("tier/sqsh", "v1"), squashfs,
+                               blob, "zstd", 1, chunk_size=1 << 20)
+        cli.write_config({"registry": {"port": registry.port, "blob_cache": hostile.url}})
+        cache = Storage(tmp_path / "cache")
+        cache.prepare()
+        capsys.readouterr()
+        final = tmp_path / "cache" / "got.sqsh"
+        fetch(registry_client(settings), cache, published, final, None, connections=4)
+        assert hashlib.sha256(final.read_bytes()).digest().hex() == blob[7:]
+        refused = [line for line in capsys.readouterr().err.splitlines()
+                   if line.startswith(f"imgpipe: the blob cache at {hostile.url}")]
+        assert len(refused) == 1 and "fetching from the registry" in refused[0], refused
+        assert hostile.seen  # it was asked, and then no more
+    finally:
+        hostile.stop()
