@@ -120,6 +120,7 @@ def take(uri: str, staged: Staged | None) -> Path:
         return get(uri)
     cache = storage(settings)
     cache.prepare()
+    cache.sweep()  # copies of earlier jobs no node took
     why = _take_copy(cache, ref, staged, here, settings.enroot.default_compression)
     if isinstance(why, Path):
         return why

@@ -160,6 +160,16 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     "SRUN_MPI": ("nccl.sub", "srun's --mpi for nccl-tests' MPI ranks (pmix)"),
     "NCCL_DEBUG": ("nccl.sub", "NCCL's log level (INFO: the transport each rank uses)"),
     "NCCL_DEBUG_SUBSYS": ("nccl.sub", "NCCL's log subsystems (INIT,NET)"),
+    "IMGPIPE_IMPORTER": ("all (node-local caches)", "the importer stage_image runs on the "
+                         "batch host and every node (enroot.importer_path)"),
+    "IMGPIPE_DISTRIBUTION": ("all (node-local caches)", "fetch or sbcast: how stage_image "
+                             "gets the image onto the nodes (enroot.distribution)"),
+    "IMGPIPE_SBCAST": ("all (node-local caches)", "the sbcast program (default: sbcast on "
+                       "PATH); missing or failing: every node fetches, said in one line"),
+    "IMGPIPE_SBCAST_FANOUT": ("all (node-local caches)", "sbcast's tree width "
+                              "(enroot.sbcast_fanout)"),
+    "IMGPIPE_SBCAST_BLOCK": ("all (node-local caches)", "sbcast's block size "
+                             "(enroot.sbcast_block)"),
 }
 IMPORTER_ENVIRONMENT: dict[str, str] = {
     "IMGPIPE_CONFIG": "the one config file the importer reads (default "
@@ -178,9 +188,10 @@ def template_variables() -> set[str]:
     """The variables the job scripts read with a default or require (Slurm's left out)."""
     import inspect
 
-    from imgpipe.recipes import render, runtimes  # the shell they put into the scripts
+    from imgpipe.recipes import render, runtimes, staging  # the shell of the scripts
 
-    texts = [inspect.getsource(render), inspect.getsource(runtimes)]
+    texts = [inspect.getsource(render), inspect.getsource(runtimes),
+             inspect.getsource(staging)]
     for template in ("run.sub.j2", "dataset.sub.j2", "nccl.sub.j2", "config.sh.j2"):
         texts.append(resources.files("imgpipe.recipes").joinpath("templates",
                                                                   template).read_text())

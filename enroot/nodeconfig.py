@@ -189,7 +189,23 @@ def _pyxis_options(settings: Settings, importer_path: str, pyxis_version: Versio
     return options
 
 
-def install_lines(squashfs: Path) -> list[str]:
+def cache_lines(squashfs: Path, distribution: str) -> list[str]:
+    """What the squashfs folder needs, by how the cluster keeps it (enroot.distribution)."""
+    make = f"{SYSTEM_VENV}/bin/imgpipe node-config --make-cache {squashfs}"
+    if distribution == "shared":
+        return ["# The shared squashfs folder (on the cluster file system, once), its layout "
+                "root's", "# (or enroot.cache_owner's):", make]
+    lines = ["# enroot.distribution: "
+             f"{distribution}: {squashfs} is node-local; make it on every node at each boot",
+             "# (before slurmd starts; a tmpfs or local NVMe folder starts empty):", make]
+    if distribution == "sbcast":
+        lines += ["# sbcast on every node's PATH (Slurm's client commands): the job's batch host",
+                  "# runs it; slurm.conf needs nothing (BcastParameters may set defaults,",
+                  "# BcastAddr may put its traffic on another network)."]
+    return lines
+
+
+def install_lines(squashfs: Path, distribution: str = "shared") -> list[str]:
     """Getting imgpipe onto a node: a wheel built from the checkout, never a package index."""
     return [
         "# Once, on the build host, in imgpipe's checkout: the wheel and what it needs.",
@@ -201,8 +217,7 @@ def install_lines(squashfs: Path) -> list[str]:
         "    --find-links dist/deps dist/imgpipe-*.whl",
         f"{SYSTEM_VENV}/bin/imgpipe node-config --check    # what this node has and lacks",
         f"{SYSTEM_VENV}/bin/imgpipe node-config --apply    # imgpipe's own files only",
-        "# The shared squashfs folder, its layout root's (or enroot.cache_owner's):",
-        f"{SYSTEM_VENV}/bin/imgpipe node-config --make-cache {squashfs}",
+        *cache_lines(squashfs, distribution),
     ]
 
 
@@ -241,7 +256,8 @@ def render(settings: Settings, importer_path: str, pyxis_version: Version | None
                    "imgpipe's registry itself)", *enroot]
     return NodeConfig("\n".join(enroot_text) + "\n", "\n".join(plugstack) + "\n",
                       "\n".join(credentials) + ("\n" if credentials else ""),
-                      importer_path, "\n".join(install_lines(squashfs)) + "\n",
+                      importer_path, "\n".join(install_lines(
+                          squashfs, settings.enroot.distribution)) + "\n",
                       _show(pyxis_version) if pyxis_version else None, notes, changes)
 
 

@@ -147,7 +147,8 @@ class Sandbox:
                 gpus=int(spec["gpus"]), memory_mb=int(spec["memory_mb"]),
                 plugstack=Path(plugstack) if plugstack not in (None, "None") else None,
                 platforms=str(spec.get("platforms") or ""),
-                registry_rate=str(spec.get("registry_rate") or "")))
+                registry_rate=str(spec.get("registry_rate") or ""),
+                node_scratch=str(spec.get("node_scratch") or "")))
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -290,7 +291,7 @@ class Sandbox:
 
     def _start_daemons(self, state: State, registry_storage: Path | None) -> None:
         root = self.root
-        write_boot_script(self.root)
+        write_boot_script(self.root, self.spec.node_scratch)
         for host in self.spec.nodes:
             (root / "spool" / host.name).mkdir(parents=True, exist_ok=True)
         munge = root / "munge"

@@ -52,6 +52,9 @@ class SandboxSpec:
     # the head host's egress (its registry's link), e.g. "1gbit": tc's token bucket on it, so
     # that what the registry serves shows in time as it would on a real NIC; "" for none
     registry_rate: str = ""
+    # each compute host's /var/tmp: a tmpfs of its own (""), or FOLDER/<host> on disk, for
+    # node-local files larger than memory (the fan-out bench's 6 GB squashfs on 8 hosts)
+    node_scratch: str = ""
 
     def node_platform(self, host: Host) -> Platform:
         """The platform ``host`` stands for (this machine's unless ``platforms`` says)."""
@@ -186,7 +189,7 @@ def write_platform_prolog(root: Path, emulated: dict[str, Platform]) -> Path | N
     return path
 
 
-def write_boot_script(root: Path) -> None:
+def write_boot_script(root: Path, node_scratch: str = "") -> None:
     """What each daemon runs first in its host: set the hostname, mount node-local
     scratch folders, and mount the cgroup
     hierarchies as the root namespace has them (`ip netns exec` mounts a fresh /sys
@@ -206,7 +209,10 @@ def write_boot_script(root: Path) -> None:
     cpuinfo = root / "cpuinfo-"
     lines += ["fi",
               "mount -t tmpfs -o mode=1777,size=50% tmpfs /dev/shm",
-              "mount -t tmpfs -o mode=1777 tmpfs /var/tmp",
+              *(["mount -t tmpfs -o mode=1777 tmpfs /var/tmp"] if not node_scratch else [
+                  f'mkdir -p "{node_scratch}/$(hostname)"',
+                  f'chmod 1777 "{node_scratch}/$(hostname)"',
+                  f'mount --bind "{node_scratch}/$(hostname)" /var/tmp']),
               f'if [ -f "{cpuinfo}$(hostname)" ]; then',
               f'  mount --bind "{cpuinfo}$(hostname)" /proc/cpuinfo',
               "fi",

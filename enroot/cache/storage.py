@@ -345,7 +345,19 @@ class Storage:
                 else:
                     path.unlink()
                 removed += 1
-        return removed + self._sweep_partials(now)
+        return removed + self._sweep_partials(now) + self._sweep_staged(now)
+
+    def _sweep_staged(self, now: float) -> int:
+        """This user's sbcast copies (``tmp/sbcast.u<uid>.…``) no node took for a day: a
+        job cancelled between its sbcast and its nodes' check."""
+        removed = 0
+        for path in self.tmp.glob(f"sbcast.u{self.trust.me}.*"):
+            with contextlib.suppress(FileNotFoundError):
+                info = path.lstat()
+                if info.st_uid == self.trust.me and now - info.st_mtime > STALE_AFTER_S:
+                    path.unlink()
+                    removed += 1
+        return removed
 
     def _sweep_partials(self, now: float) -> int:
         """This user's partial downloads nobody resumed for a day."""

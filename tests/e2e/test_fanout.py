@@ -24,7 +24,7 @@ from tests.published_image import REPO, ci_publish, hello_origin
 
 pytestmark = pytest.mark.slow
 
-ALICE = USERS[0]
+ALICE, BOB = USERS
 NODE_CACHE = "/var/tmp/imgpipe-squashfs"  # node-local: each sandbox host has its own tmpfs
 REPOSITORY = "fanout/hello"
 
@@ -211,3 +211,36 @@ def test_a_requeued_job_on_a_fresh_node_takes_the_copy(hosts, site, hello) -> No
     assert sorted(re.findall(r"^(node\d): hello", second, re.M)) == [
         "node2", "node3", "node4", "node5"], second
 
+
+
+def test_a_copy_another_user_planted_is_never_taken(hosts, site, hello) -> None:
+    """bob (another job user on the node) plants the genuine bytes, and a link, under
+    staging names with alice's prefix in the node's shared temporary folder: alice's take
+    refuses both in one line each and fetches for herself; her entry is her own file."""
+    _clear_caches(hosts, site)
+    tmp = f"{NODE_CACHE}/.imgpipe/tmp"
+    uid = hosts.run(["id", "-u", ALICE]).stdout.strip()
+    planted, linked = f"{tmp}/sbcast.u{uid}.1.planted.sqsh", f"{tmp}/sbcast.u{uid}.1.link.sqsh"
+    importer = str(site["bin"] / "imgpipe-pyxis-importer")
+    env = {"IMGPIPE_CONFIG": str(site["config"]), PINS_ENV: site["pins"]}
+    done = hosts.run(["srun", "-w", "node2", "-N1", "/bin/sh", "-c",
+                      f"{importer} get docker://{site['uri']} >/dev/null && "
+                      f"cp {NODE_CACHE}/fanout+hello+squashfs-*.u*.sqsh {planted} && "
+                      f"ln -s {NODE_CACHE}/.imgpipe/VERSION {linked} && "
+                      f"rm -f {NODE_CACHE}/fanout+hello+*"], user=BOB, env=env, cwd="/tmp",
+                     timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for staged, said in ((planted, "is not a copy of yours alone"),
+                         (linked, "the sbcast copy cannot be opened")):
+        done = hosts.run(["srun", "-w", "node2", "-N1", importer, "take", site["uri"],
+                          hello["pin"], staged, hello["digest"]], user=ALICE, env=env,
+                         cwd="/tmp", timeout=300)
+        assert done.returncode == 0, done.stderr
+        lines = [line for line in done.stderr.splitlines() if "imgpipe: node2: " in line]
+        assert len(lines) == 1 and said in lines[0], done.stderr
+        assert "fetching it from the registry" in lines[0]
+        entry = done.stdout.strip()
+        owner = hosts.run(["srun", "-w", "node2", "-N1", "stat", "-c", "%U %i", entry,
+                           planted], user=ALICE, cwd="/tmp").stdout.split("\n")
+        assert owner[0].split()[0] == ALICE and owner[0].split()[1] != owner[1].split()[1]
+        hosts.run(["srun", "-w", "node2", "-N1", "rm", "-f", entry], user=ALICE, cwd="/tmp")

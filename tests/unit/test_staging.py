@@ -74,3 +74,23 @@ def test_the_importer_names_its_staging_forms_in_its_usage(capsys) -> None:
     assert importer_main(["take"]) == 2
     assert "stage URI | take URI [SHA256 STAGED MANIFEST]" in capsys.readouterr().err
     assert importer_main(["stage", "a", "b"]) == 2
+
+
+def test_sbcast_copies_no_node_took_are_swept_after_a_day(tmp_path: Path) -> None:
+    import os
+    import time
+
+    from imgpipe.enroot.cache.storage import Storage
+
+    cache = Storage(tmp_path / "cache")
+    cache.prepare()
+    old = cache.tmp / f"sbcast.u{os.getuid()}.7.0123456789abcdef.sqsh"
+    fresh = cache.tmp / f"sbcast.u{os.getuid()}.8.fedcba9876543210.sqsh"
+    other = cache.tmp / "sbcast.u99999.7.0123456789abcdef.sqsh"  # not this user's name
+    for path in (old, fresh, other):
+        path.write_bytes(b"copy")
+    day_ago = time.time() - 2 * 86400
+    os.utime(old, (day_ago, day_ago))
+    os.utime(other, (day_ago, day_ago))
+    assert cache.sweep() == 1
+    assert not old.exists() and fresh.exists() and other.exists()
