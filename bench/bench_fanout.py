@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,16 +116,21 @@ def sbcast_timer(folder: Path) -> Path:
     return path
 
 
+VARIANTS = ("sbcast-64M", "sbcast-fanout2")  # at the largest N: sbcast's block and tree width
+
+
 def job_script(folder: Path, importer: str, mode: str, uri: str) -> Path:
     distribution = "fetch" if mode in ("fetch", "tier") else "sbcast"
+    block = "64M" if mode == "sbcast-64M" else "8M"
+    fanout = 2 if mode == "sbcast-fanout2" else 8
     text = "\n".join([
         "#!/bin/bash", "set -euo pipefail", f"CONT={uri}",
         f"export IMGPIPE_SBCAST={sbcast_timer(folder)}",
         'echo "start $(date +%s.%N)"',
-        prelude("charliecloud"), stage_function("charliecloud", distribution, importer, 8,
-                                                os.environ.get("BENCH_SBCAST_BLOCK", "8M")),
+        prelude("charliecloud"), stage_function("charliecloud", distribution, importer,
+                                                fanout, block),
         'srun --ntasks-per-node=1 /bin/sh -c \'echo "first $(hostname) $(date +%s.%N)"\'', ""])
-    path = folder / f"job-{distribution}.sh"
+    path = folder / f"job-{mode}.sh"
     path.write_text(text)
     path.chmod(0o755)
     return path
@@ -204,12 +210,14 @@ def run_job(cluster: Sandbox, folder: Path, script: Path, nodes: int, config: Pa
                             PINS_ENV: f"{image['digest']}={image['pin']}",
                             "PATH": os.environ["PATH"]})
     text = out.read_text() if out.exists() else ""
-    if done.returncode != 0:
-        sys.exit(f"bench_fanout: the job failed:\n{text}{done.stderr}")
+    if done.returncode != 0:  # said and kept in the results; the other runs go on
+        print(f"bench_fanout: the job failed:\n{text}{done.stderr}", flush=True)
+        return {"error": (text + done.stderr).strip().splitlines()[-1:]}
     start = float(re.search(r"^start ([0-9.]+)$", text, re.M).group(1))  # type: ignore[union-attr]
     firsts = [float(t) for t in re.findall(r"^first node\d+ ([0-9.]+)$", text, re.M)]
     if len(firsts) != nodes:
-        sys.exit(f"bench_fanout: {len(firsts)} of {nodes} nodes ran:\n{text}")
+        print(f"bench_fanout: {len(firsts)} of {nodes} nodes ran:\n{text}", flush=True)
+        return {"error": [f"{len(firsts)} of {nodes} nodes ran"]}
     time.sleep(1)  # the registry logs a request once its client has the bytes
     log = cluster.registry_log.read_bytes()[since:].decode(errors="replace")
     served = sum(int(n) for n in re.findall(
@@ -228,10 +236,10 @@ def run_job(cluster: Sandbox, folder: Path, script: Path, nodes: int, config: Pa
 
 
 def measure(cluster: Sandbox, folder: Path, image: dict, nodes: int, modes: tuple[str, ...],
-            importer: str, tier: Tier) -> dict[str, dict]:
+            importer: str, tier: Tier, results: dict[str, dict], save: Callable[[], None]
+            ) -> None:
     uri = f"head:5000#{image['repository']}@{image['digest']}"
     plain, via_tier = node_config(folder, None, importer), node_config(folder, tier.url, importer)
-    results = {}
     for mode in modes:
         empty_caches(cluster, nodes)
         if "tier" in mode:
@@ -240,13 +248,15 @@ def measure(cluster: Sandbox, folder: Path, image: dict, nodes: int, modes: tupl
         row = run_job(cluster, folder, script, nodes, via_tier if "tier" in mode else plain,
                       image)
         results[mode] = row
+        save()
+        if "error" in row:
+            continue
         print(f"  {image['repository']:16} N={nodes:<3} {mode:12} {row['seconds']:7.1f} s  "
               f"registry served {row['registry_bytes'] / 1e9:6.2f} GB "
               f"({row['copies_served']} copies)"
               + (f"; batch fetch {row['batch_fetch_s']} s, sbcast {row['sbcast_s']} s, "
                  f"checks and start {row['after_sbcast_s']} s" if "sbcast_s" in row else ""),
               flush=True)
-    return results
 
 
 def plot(results: dict, out: Path) -> None:
@@ -259,7 +269,7 @@ def plot(results: dict, out: Path) -> None:
     counts = sorted(int(n) for n in bert)
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for mode in MODES:
-        xs = [n for n in counts if mode in bert[str(n)]]
+        xs = [n for n in counts if "seconds" in bert[str(n)].get(mode, {})]
         left.plot(xs, [bert[str(n)][mode]["seconds"] for n in xs], marker="o", label=mode)
         right.plot(xs, [bert[str(n)][mode]["registry_bytes"] / 1e9 for n in xs], marker="o",
                    label=mode)
@@ -311,15 +321,20 @@ def main() -> None:
             make_caches(cluster, max(counts), imgpipe)
             tier = Tier(cluster, work)
             tier.limit(args.registry_rate)
+            def save() -> None:
+                args.out.mkdir(parents=True, exist_ok=True)
+                (args.out / "fanout.json").write_text(json.dumps(results, indent=2) + "\n")
+
             try:
                 for nodes in counts:
-                    results["bert"][str(nodes)] = measure(
-                        cluster, work, images["bert"], nodes,
-                        ("sbcast",) if nodes == 1 else modes, importer, tier)
+                    chosen = ("sbcast",) if nodes == 1 else modes + (
+                        VARIANTS if nodes == max(counts) else ())
+                    measure(cluster, work, images["bert"], nodes, chosen, importer, tier,
+                            results["bert"].setdefault(str(nodes), {}), save)
                 if size:
-                    results["generated"]["8"] = measure(
-                        cluster, work, images["generated"], 8,
-                        tuple(m for m in modes if "tier" not in m), importer, tier)
+                    measure(cluster, work, images["generated"], 8,
+                            tuple(m for m in modes if "tier" not in m), importer, tier,
+                            results["generated"].setdefault("8", {}), save)
             finally:
                 tier.down()
     finally:
@@ -337,6 +352,9 @@ def report(results: dict, counts: list[int], out: Path) -> None:
         row = bert[str(nodes)]
         base = row.get("fetch", {}).get("seconds")
         for mode, got in row.items():
+            if "error" in got:
+                print(f"{nodes:>4} {mode:12} failed: {got['error']}")
+                continue
             ratio = f"{got['seconds'] / base:.2f}" if base else "-"
             print(f"{nodes:>4} {mode:12} {got['seconds']:8.1f} {ratio:>9} "
                   f"{got['seconds'] / one:10.2f} {got['registry_bytes'] / 1e9:12.2f} "
@@ -344,6 +362,9 @@ def report(results: dict, counts: list[int], out: Path) -> None:
     for nodes, row in results["generated"].items():
         base = row.get("fetch", {}).get("seconds")
         for mode, got in row.items():
+            if "error" in got:
+                print(f"generated {nodes}: {mode:12} failed: {got['error']}")
+                continue
             ratio = f"{got['seconds'] / base:.2f}" if base else "-"
             print(f"generated {nodes}: {mode:12} {got['seconds']:8.1f} s, vs fetch {ratio}, "
                   f"registry {got['registry_bytes'] / 1e9:.2f} GB")

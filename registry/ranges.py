@@ -23,6 +23,7 @@ import os
 import re
 import stat
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ DEFAULT_CHUNK_SIZE = 64 << 20
 MIN_CHUNK_SIZE = 64 << 10
 MAX_CHUNK_SIZE = 1 << 30
 MAX_CHUNKS = 50_000  # 65 bytes each: a list this long is still far under a manifest's cap
+BROKEN_TRIES = 3  # tries of a range whose transfer breaks off, then the run fails (resumable)
 CHUNK_TRIES = 3  # fetches of one chunk whose bytes keep failing its digest, then fail
 SIDECAR_LIMIT = 1 << 20
 _HEX = re.compile(r"[0-9a-f]{64}")
@@ -210,6 +212,26 @@ class _Download:
                  f"the rest of {self.digest[:19]}; the whole digest decides")
 
 
+class _BrokeOff(RegistryError):
+    """A range whose transfer broke off (a timeout, a reset, a short answer): asked again."""
+
+
+def _get_range_again(job: _Download, start: int, end: int) -> tuple[str, int]:
+    """``_get_range``, asked again when its transfer breaks off (many nodes through one
+    link time out now and then), up to BROKEN_TRIES times, one line each."""
+    for attempt in range(1, BROKEN_TRIES + 1):
+        try:
+            return _get_range(job, start, end)
+        except _BrokeOff as exc:
+            if attempt == BROKEN_TRIES or job.failed.is_set():
+                raise
+            why = type(exc.__cause__).__name__ if exc.__cause__ else "a short answer"
+            job.say(f"bytes {start}-{end} of {job.digest[:19]} broke off ({why}): "
+                    "fetching them again")
+            time.sleep(attempt)
+    raise AssertionError("unreachable")
+
+
 def _get_range(job: _Download, start: int, end: int) -> tuple[str, int]:
     """GET bytes ``start``-``end`` into the partial file at ``start``: their sha256 and
     how many arrived."""
@@ -236,13 +258,13 @@ def _get_range(job: _Download, start: int, end: int) -> tuple[str, int]:
             offset += len(block)
             job.advance(len(block))
     except requests.RequestException as exc:
-        raise RegistryError(f"download of {job.digest} from {job.client.address} broke off "
+        raise _BrokeOff(f"download of {job.digest} from {job.client.address} broke off "
                             f"in bytes {start}-{end} (run again to resume: the chunks "
                             "verified so far are kept)", method="GET", url=job.url_path) from exc
     finally:
         response.close()
     if offset != end + 1:
-        raise RegistryError(f"download of {job.digest} from {job.client.address} broke off "
+        raise _BrokeOff(f"download of {job.digest} from {job.client.address} broke off "
                             f"in bytes {start}-{end} after {offset - start} bytes (run again "
                             "to resume)", method="GET", url=job.url_path)
     return hasher.hexdigest(), offset - start
@@ -257,7 +279,7 @@ def _fetch_chunk(job: _Download, index: int) -> int:
     received, seen = 0, set()
     try:
         for attempt in range(1, CHUNK_TRIES + 1):
-            got, count = _get_range(job, start, end)
+            got, count = _get_range_again(job, start, end)
             received += count
             expected = job.digests[index] if job.digests and not job.distrusted else None
             if expected is None or got == expected:

@@ -105,7 +105,9 @@ def _handler(front: Front) -> type[BaseHTTPRequestHandler]:
                 return
             with front.lock:
                 front.answered += 1
-                broken = front.mode == "break" and front.answered > front.keep
+                broken = (front.mode == "break" and front.answered > front.keep) or (
+                    front.mode == "break-once" and seen == 1
+                    and asked.startswith(f"bytes={front.target}-"))
             if broken:
                 self.wfile.write(body[:len(body) // 2])
                 self.wfile.flush()
@@ -264,6 +266,21 @@ def test_a_broken_download_resumes_with_the_missing_chunks_only(front: Front, bl
     assert asked == {i * CHUNK for i in range(count) if i not in done}
     assert 0 < len(asked) <= count - 6 and set(front.asked.values()) == {1}
     assert received == sum(min(CHUNK, len(blob.data) - start) for start in asked)
+
+
+def test_a_range_that_breaks_off_once_is_fetched_again_alone(front: Front, blob: Blob,
+                                                             tmp_path: Path) -> None:
+    """Many nodes through one link: a transfer times out now and then.  The range is asked
+    again (one line), the download goes on, nothing else is fetched twice."""
+    front.mode, front.target = "break-once", 3 * CHUNK
+    partial, said = tmp_path / "blob.part", []
+    _fetch(front, blob, partial, said)
+    assert partial.read_bytes() == blob.data
+    again = [line for line in said if "broke off" in line]
+    assert len(again) == 1 and again[0].startswith(f"bytes {3 * CHUNK}-"), said
+    assert "fetching them again" in again[0]
+    twice = {asked for asked, times in front.asked.items() if times > 1}
+    assert twice == {f"bytes={3 * CHUNK}-{4 * CHUNK - 1}"}, front.asked
 
 
 def test_one_stream_goes_on_from_a_ranged_downloads_first_chunks(front: Front, blob: Blob,
