@@ -342,7 +342,7 @@ class EnrootConfig(_Strict):
         "every node), fetch (a node-local squashfs_dir: each node's importer fetches for "
         "itself) or sbcast (a node-local squashfs_dir: the job's batch host gets the image "
         "once and Slurm's sbcast copies it to every node, each node checking its sha256)")
-    sbcast_fanout: int = Field(default=8, ge=1, le=64, description="sbcast's message tree "
+    sbcast_fanout: int = Field(default=4, ge=1, le=64, description="sbcast's message tree "
                                "width (--fanout; Slurm 22.05 takes at most 8)")
     sbcast_block: str = Field(default="8M", description="sbcast's block size (--size): "
                               "each block reaches every node before the next is sent")

@@ -116,13 +116,14 @@ def sbcast_timer(folder: Path) -> Path:
     return path
 
 
-VARIANTS = ("sbcast-64M", "sbcast-fanout2")  # at the largest N: sbcast's block and tree width
+# at the largest N: sbcast's block size and tree width
+VARIANTS = ("sbcast-64M", "sbcast-fanout2", "sbcast-fanout4")
 
 
 def job_script(folder: Path, importer: str, mode: str, uri: str) -> Path:
     distribution = "fetch" if mode in ("fetch", "tier") else "sbcast"
     block = "64M" if mode == "sbcast-64M" else "8M"
-    fanout = 2 if mode == "sbcast-fanout2" else 8
+    fanout = int(mode.rsplit("fanout", 1)[1]) if "fanout" in mode else 8
     text = "\n".join([
         "#!/bin/bash", "set -euo pipefail", f"CONT={uri}",
         f"export IMGPIPE_SBCAST={sbcast_timer(folder)}",
@@ -241,7 +242,8 @@ def measure(cluster: Sandbox, folder: Path, image: dict, nodes: int, modes: tupl
     uri = f"head:5000#{image['repository']}@{image['digest']}"
     plain, via_tier = node_config(folder, None, importer), node_config(folder, tier.url, importer)
     for mode in modes:
-        empty_caches(cluster, nodes)
+        # every job host's cache, not only this job's: the disk holds N copies of one image
+        empty_caches(cluster, cluster.spec.compute_nodes - 1)
         if "tier" in mode:
             tier.fresh()
         script = job_script(folder, importer, mode, uri)

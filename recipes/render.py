@@ -83,7 +83,7 @@ class RecipeInputs:
     # how the image reaches the nodes (enroot.distribution; recipes.staging)
     distribution: Distribution = "shared"
     importer_path: str = "/usr/local/bin/imgpipe-pyxis-importer"
-    sbcast_fanout: int = 8
+    sbcast_fanout: int = 4
     sbcast_block: str = "8M"
 
 
