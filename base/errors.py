@@ -15,6 +15,7 @@ Hierarchy::
     ├── RegistryError               imgpipe.registry.errors: method, URL, status, error code
     │   ├── AuthError               credentials missing or refused
     │   ├── DigestMismatchError     bytes did not hash to the digest asked for
+    │   ├── BrokenRangeError        a ranged download's transfer broke off (asked again)
     │   ├── ReferenceFormatError    a malformed image reference (exit 2)
     │   ├── SharedManifestError     rm of a manifest other tags share, without --force (exit 2)
     │   └── LocalRegistryError      the head-node registry's lifecycle (up/down/gc)

@@ -236,6 +236,23 @@ class Spawned:
         return self._proc.poll() is not None
 
 
+def pid_in_file(pid_file: str | os.PathLike[str]) -> int | None:
+    """The pid a daemon's pid file names, when that process still lives (one of another
+    user counts: signalling it is refused, but it is there)."""
+    try:
+        with open(pid_file) as handle:
+            pid = int(handle.read().strip())
+    except (OSError, ValueError):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        return pid
+    return pid
+
+
 def spawn(argv: Sequence[str], log_path: str | os.PathLike[str], *,
           env: Mapping[str, str] | None = None, inherit_env: bool = True) -> Spawned:
     """Start a daemon in a process group of its own, output appended to ``log_path``.

@@ -54,6 +54,7 @@ from imgpipe.recipes.sandbox import Sandbox, SandboxSpec, running  # noqa: E402
 from imgpipe.recipes.staging import stage_function  # noqa: E402
 from imgpipe.registry.client import RegistryClient  # noqa: E402
 from tests import services  # noqa: E402
+from tests.published_image import sha256_file  # noqa: E402
 
 MODES = ("fetch", "sbcast", "tier", "sbcast+tier")
 NODE_CACHE = "/var/tmp/imgpipe-bench"
@@ -84,16 +85,6 @@ def generated_squashfs(size: int, folder: Path) -> Path:
                     "-noI", "-noD", "-noF", "-noX", "-quiet"], check=True)
     shutil.rmtree(source)
     return target
-
-
-def sha256_file(path: Path) -> str:
-    import hashlib
-
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(8 << 20):
-            digest.update(block)
-    return "sha256:" + digest.hexdigest()
 
 
 def publish_image(client: RegistryClient, url: str, repository: str, squashfs: Path) -> dict:
@@ -344,32 +335,32 @@ def main() -> None:
     report(results, counts, args.out)
 
 
+def _rows(image: str, row: dict, one: float | None) -> list[str]:
+    """One line per mode of one N: seconds, the ratio to every node fetching (and to one
+    node, given its time), what the registry served."""
+    base = row.get("fetch", {}).get("seconds")
+    lines = []
+    for mode, got in row.items():
+        if "error" in got:
+            lines.append(f"{image} {mode:14} failed: {got['error']}")
+            continue
+        ratio = f"{got['seconds'] / base:.2f}" if base else "-"
+        versus_one = f"{got['seconds'] / one:10.2f}" if one else ""
+        lines.append(f"{image} {mode:14} {got['seconds']:8.1f} {ratio:>9} {versus_one} "
+                     f"{got['registry_bytes'] / 1e9:12.2f} {got['copies_served']:7}")
+    return lines
+
+
 def report(results: dict, counts: list[int], out: Path) -> None:
     bert = results["bert"]
     one = bert["1"]["sbcast"]["seconds"]
     print(f"\none node: {one:.1f} s (registry link {results['registry_rate']})")
-    print(f"{'N':>4} {'mode':12} {'seconds':>8} {'vs fetch':>9} {'vs 1 node':>10} "
+    print(f"{'image':14} {'mode':14} {'seconds':>8} {'vs fetch':>9} {'vs 1 node':>10} "
           f"{'registry GB':>12} {'copies':>7}")
     for nodes in counts[1:]:
-        row = bert[str(nodes)]
-        base = row.get("fetch", {}).get("seconds")
-        for mode, got in row.items():
-            if "error" in got:
-                print(f"{nodes:>4} {mode:12} failed: {got['error']}")
-                continue
-            ratio = f"{got['seconds'] / base:.2f}" if base else "-"
-            print(f"{nodes:>4} {mode:12} {got['seconds']:8.1f} {ratio:>9} "
-                  f"{got['seconds'] / one:10.2f} {got['registry_bytes'] / 1e9:12.2f} "
-                  f"{got['copies_served']:7}")
+        print("\n".join(_rows(f"bert N={nodes:<6}", bert[str(nodes)], one)))
     for nodes, row in results["generated"].items():
-        base = row.get("fetch", {}).get("seconds")
-        for mode, got in row.items():
-            if "error" in got:
-                print(f"generated {nodes}: {mode:12} failed: {got['error']}")
-                continue
-            ratio = f"{got['seconds'] / base:.2f}" if base else "-"
-            print(f"generated {nodes}: {mode:12} {got['seconds']:8.1f} s, vs fetch {ratio}, "
-                  f"registry {got['registry_bytes'] / 1e9:.2f} GB")
+        print("\n".join(_rows(f"generated N={nodes:<1}", row, None)))
     out.mkdir(parents=True, exist_ok=True)
     (out / "fanout.json").write_text(json.dumps(results, indent=2) + "\n")
     plot(results, out / "fanout.png")

@@ -142,17 +142,7 @@ class BlobCacheServer:
 
     def pid(self) -> int | None:
         """The master's pid from its pid file, when that process still lives."""
-        try:
-            pid = int(self.layout.pid_file.read_text().strip())
-        except (OSError, ValueError):
-            return None
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            return pid
-        return pid
+        return process.pid_in_file(self.layout.pid_file)
 
     def answers(self) -> bool:
         """Whether this port answers as an imgpipe blob cache (its health path)."""

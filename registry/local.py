@@ -118,17 +118,7 @@ class LocalRegistry(ServerFiles):
             return None
 
     def _pid(self) -> int | None:
-        try:
-            pid = int(self.pid_file.read_text().strip())
-        except (FileNotFoundError, ValueError):
-            return None
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            return pid
-        return pid
+        return process.pid_in_file(self.pid_file)
 
     def state(self) -> ServerState:
         address = self.config.address

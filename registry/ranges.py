@@ -212,7 +212,7 @@ class _Download:
                  f"the rest of {self.digest[:19]}; the whole digest decides")
 
 
-class _BrokeOff(RegistryError):
+class BrokenRangeError(RegistryError):
     """A range whose transfer broke off (a timeout, a reset, a short answer): asked again."""
 
 
@@ -222,7 +222,7 @@ def _get_range_again(job: _Download, start: int, end: int) -> tuple[str, int]:
     for attempt in range(1, BROKEN_TRIES + 1):
         try:
             return _get_range(job, start, end)
-        except _BrokeOff as exc:
+        except BrokenRangeError as exc:
             if attempt == BROKEN_TRIES or job.failed.is_set():
                 raise
             why = type(exc.__cause__).__name__ if exc.__cause__ else "a short answer"
@@ -258,13 +258,13 @@ def _get_range(job: _Download, start: int, end: int) -> tuple[str, int]:
             offset += len(block)
             job.advance(len(block))
     except requests.RequestException as exc:
-        raise _BrokeOff(f"download of {job.digest} from {job.client.address} broke off "
+        raise BrokenRangeError(f"download of {job.digest} from {job.client.address} broke off "
                             f"in bytes {start}-{end} (run again to resume: the chunks "
                             "verified so far are kept)", method="GET", url=job.url_path) from exc
     finally:
         response.close()
     if offset != end + 1:
-        raise _BrokeOff(f"download of {job.digest} from {job.client.address} broke off "
+        raise BrokenRangeError(f"download of {job.digest} from {job.client.address} broke off "
                             f"in bytes {start}-{end} after {offset - start} bytes (run again "
                             "to resume)", method="GET", url=job.url_path)
     return hasher.hexdigest(), offset - start
