@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from bert_trainer.model import IGNORE
+from bert_trainer.unpad import PaddingError, host_index
 
 KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids",
         "next_sentence_labels")
@@ -55,10 +56,12 @@ class Batch:
     masked_lm_positions: torch.Tensor  # [B, P] int64, 0 in unused slots
     masked_lm_labels: torch.Tensor  # [B, P] int64, IGNORE in unused slots
     next_sentence_labels: torch.Tensor  # [B] int64
+    token_index: torch.Tensor  # [T] int64: row * S + column of each real token
+    cu_seqlens: torch.Tensor  # [B + 1] int32: running sum of the lengths
     position: Position  # of the stream after this batch
 
     TENSORS = ("input_ids", "segment_ids", "input_mask", "masked_lm_positions",
-               "masked_lm_labels", "next_sentence_labels")
+               "masked_lm_labels", "next_sentence_labels", "token_index", "cu_seqlens")
 
     def map(self, change: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
         """The same batch with ``change`` applied to every tensor."""
@@ -170,6 +173,12 @@ def to_batch(parts: list[dict[str, np.ndarray]], position: Position) -> Batch:
     # The first 0 ends the list of predictions (position 0 is [CLS], never masked).
     used = np.cumprod(positions != 0, axis=1).astype(bool)
     labels = np.where(used, arrays["masked_lm_ids"], IGNORE).astype(np.int64)
+    # Where the real tokens are, for the unpadded encoder: found here, on the host, so the
+    # device never waits for it.
+    try:
+        token_index, cu_seqlens = host_index(arrays["input_mask"])
+    except PaddingError as exc:
+        raise DataError(f"{exc}: not a BERT pre-training instance") from None
     return Batch(
         input_ids=torch.from_numpy(arrays["input_ids"].astype(np.int64)),
         segment_ids=torch.from_numpy(arrays["segment_ids"].astype(np.int64)),
@@ -178,6 +187,7 @@ def to_batch(parts: list[dict[str, np.ndarray]], position: Position) -> Batch:
         masked_lm_labels=torch.from_numpy(labels),
         next_sentence_labels=torch.from_numpy(
             arrays["next_sentence_labels"].astype(np.int64).reshape(-1)),
+        token_index=torch.from_numpy(token_index), cu_seqlens=torch.from_numpy(cu_seqlens),
         position=position)
 
 

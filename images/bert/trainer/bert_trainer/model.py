@@ -9,6 +9,10 @@
 - The MLM head runs only at the ``max_predictions_per_seq`` masked slots of each
   sequence (about 15% of the tokens), and its decoder shares the word embedding
   matrix, whose rows are padded to a multiple of 8.
+- Unpadded (the default): the encoder runs on the real tokens alone, one
+  ``[tokens, hidden]`` tensor, with attention by sequence length (``unpad.py``), so
+  padding costs no matmul, no elementwise pass and no attention; ``unpadded=False``
+  keeps the padded ``[batch, seq, hidden]`` path, which the tests compare it with.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bert_trainer import unpad
 from bert_trainer.config import BertConfig
+from bert_trainer.unpad import Varlen
 
 IGNORE = -100  # label of unused masked-LM slots (F.cross_entropy's ignore_index)
 
@@ -47,6 +53,15 @@ class Embeddings(nn.Module):
                   + self.token_type_embeddings(token_type_ids))
         return F.dropout(self.LayerNorm(summed), self.dropout, self.training)
 
+    def forward_unpadded(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor,
+                         layout: Varlen) -> torch.Tensor:
+        """The same per token, for the real tokens alone: ``[T, hidden]``."""
+        index = layout.token_index
+        summed = (self.word_embeddings(input_ids.reshape(-1)[index])
+                  + self.position_embeddings(index % layout.seq)
+                  + self.token_type_embeddings(token_type_ids.reshape(-1)[index]))
+        return F.dropout(self.LayerNorm(summed), self.dropout, self.training)
+
 
 class Layer(nn.Module):
     """One post-LayerNorm transformer layer (BERT's layout)."""
@@ -66,13 +81,26 @@ class Layer(nn.Module):
         self.approximate = "none" if config.hidden_act == "gelu" else "tanh"
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Padded: ``x`` is [B, S, hidden], ``attention_mask`` the key mask [B, 1, 1, S]."""
         batch, seq, hidden = x.shape
         qkv = self.qkv(x).view(batch, seq, 3, self.heads, hidden // self.heads)
         query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, heads, S, d]
         context = F.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask,
             dropout_p=self.attention_dropout if self.training else 0.0)
-        context = context.transpose(1, 2).reshape(batch, seq, hidden)
+        return self._after_attention(context.transpose(1, 2).reshape(batch, seq, hidden), x)
+
+    def forward_unpadded(self, x: torch.Tensor, layout: Varlen) -> torch.Tensor:
+        """Unpadded: ``x`` is [T, hidden], the real tokens of the batch ``layout`` describes."""
+        tokens, hidden = x.shape
+        qkv = self.qkv(x).view(tokens, 3, self.heads, hidden // self.heads)
+        query, key, value = qkv.unbind(1)  # each [T, heads, d]
+        context = unpad.attention(query, key, value, layout,
+                                  self.attention_dropout if self.training else 0.0)
+        return self._after_attention(context.reshape(tokens, hidden), x)
+
+    def _after_attention(self, context: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Output projection, residual, LayerNorm, then the feed-forward block (any shape)."""
         x = bias_dropout_add_layernorm(F.linear(context, self.attention_out.weight),
                                        self.attention_out.bias, x, self.attention_norm,
                                        self.hidden_dropout, self.training)
@@ -86,9 +114,10 @@ class Layer(nn.Module):
 class BertForPreTraining(nn.Module):
     """Encoder + masked-LM head (tied decoder) + next-sentence head."""
 
-    def __init__(self, config: BertConfig) -> None:
+    def __init__(self, config: BertConfig, unpadded: bool = True) -> None:
         super().__init__()
         self.config = config
+        self.unpadded = unpadded
         h = config.hidden_size
         self.embeddings = Embeddings(config)
         self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_hidden_layers))
@@ -125,22 +154,46 @@ class BertForPreTraining(nn.Module):
         return torch.tanh(self.pooler(encoded[:, 0]))
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor,
-                attention_mask: torch.Tensor, masked_lm_positions: torch.Tensor
+                attention_mask: torch.Tensor, masked_lm_positions: torch.Tensor,
+                token_index: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """MLM logits [B, P, vocab] at the masked slots and NSP logits [B, 2].
 
         The decoder runs over the padded vocabulary (tensor-core shapes); the padding's
         logits are dropped, so they take no share of the softmax: the loss is the one
-        ``transformers`` computes for the unpadded model."""
-        x = self.encode(input_ids, token_type_ids, attention_mask)
-        hidden = x.shape[-1]
-        index = masked_lm_positions.long().unsqueeze(-1).expand(-1, -1, hidden)
-        at_masks = torch.gather(x, 1, index)  # [B, P, H]: only the masked positions
+        ``transformers`` computes for the unpadded model.  ``token_index``/``cu_seqlens``
+        (``unpad.host_index`` of the mask, from the data loader) spare the unpadded path
+        computing them on the device; without them it does."""
+        if not self.unpadded:
+            x = self.encode(input_ids, token_type_ids, attention_mask)
+            hidden = x.shape[-1]
+            index = masked_lm_positions.long().unsqueeze(-1).expand(-1, -1, hidden)
+            at_masks = torch.gather(x, 1, index)  # [B, P, H]: only the masked positions
+            first = x[:, 0]
+        else:
+            layout = unpad.varlen(attention_mask, token_index, cu_seqlens)
+            tokens = self.encode_unpadded(input_ids, token_type_ids, layout)
+            rows = torch.arange(layout.batch, device=tokens.device).unsqueeze(1) * layout.seq
+            at_masks = tokens[unpad.unpad_rows(layout, masked_lm_positions.long() + rows)]
+            first = tokens[layout.cu_seqlens[:-1].long()]  # [CLS] of each sequence
+        return self._heads(at_masks, first)
+
+    def encode_unpadded(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor,
+                        layout: Varlen) -> torch.Tensor:
+        """The encoder's output at the real tokens alone: [T, hidden]."""
+        x = self.embeddings.forward_unpadded(input_ids, token_type_ids, layout)
+        for layer in self.layers:
+            x = layer.forward_unpadded(x, layout)
+        return x
+
+    def _heads(self, at_masks: torch.Tensor, first: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         transformed = self.mlm_norm(bias_gelu(self.mlm_transform.bias,
                                               F.linear(at_masks, self.mlm_transform.weight),
                                               self.approximate))
         mlm_logits = F.linear(transformed, self.embeddings.word_embeddings.weight, self.mlm_bias)
-        return mlm_logits[..., :self.config.vocab_size], self.nsp(self.pooled(x))
+        return (mlm_logits[..., :self.config.vocab_size],
+                self.nsp(torch.tanh(self.pooler(first))))
 
     def no_decay_names(self) -> set[str]:
         """Biases and LayerNorm parameters: LAMB applies no weight decay to them."""

@@ -89,7 +89,7 @@ class Trainer:
                 with self._autocast():
                     mlm_logits, nsp_logits = self.forward_module(
                         batch.input_ids, batch.segment_ids, batch.input_mask,
-                        batch.masked_lm_positions)
+                        batch.masked_lm_positions, batch.token_index, batch.cu_seqlens)
                 loss, hits, count = pretraining_loss(mlm_logits, batch.masked_lm_labels,
                                                      nsp_logits, batch.next_sentence_labels)
                 self.scaler.scale(loss / len(micro_batches)).backward()
