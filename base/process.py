@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
+from imgpipe.base.daemon import open_log
 from imgpipe.base.errors import CommandError, ToolMissingError
 
 log = logging.getLogger(__name__)
@@ -236,23 +237,6 @@ class Spawned:
         return self._proc.poll() is not None
 
 
-def pid_in_file(pid_file: str | os.PathLike[str]) -> int | None:
-    """The pid a daemon's pid file names, when that process still lives (one of another
-    user counts: signalling it is refused, but it is there)."""
-    try:
-        with open(pid_file) as handle:
-            pid = int(handle.read().strip())
-    except (OSError, ValueError):
-        return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return None
-    except PermissionError:
-        return pid
-    return pid
-
-
 def spawn(argv: Sequence[str], log_path: str | os.PathLike[str], *,
           env: Mapping[str, str] | None = None, inherit_env: bool = True) -> Spawned:
     """Start a daemon in a process group of its own, output appended to ``log_path``.
@@ -265,7 +249,7 @@ def spawn(argv: Sequence[str], log_path: str | os.PathLike[str], *,
     require(argv[0])
     log.debug("spawn: %s", shlex.join(argv))
     full_env = (None if env is None else {**os.environ, **env}) if inherit_env else dict(env or {})
-    with open(log_path, "ab") as handle:
+    with os.fdopen(open_log(log_path), "ab") as handle:
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=handle,
                                     stderr=subprocess.STDOUT, env=full_env,

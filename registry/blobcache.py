@@ -7,6 +7,14 @@ it is ready when its health path answers.  ``down`` stops it; both are idempoten
 the workers run as ``cache_server.user`` (default ``nobody``), and the folders they write
 are given to that account.  A rack host that runs nginx itself takes the same file from
 ``render_config`` (``imgpipe registry cache config``).
+
+Root runs this on a configured path, so the state folder (and a separate cache folder) is
+walked without following links and adopted only when root or the workers' account made it
+and it holds only the cache's own files (``imgpipe.base.adminpath``); the logs are made
+exclusively, 0600 (they name repositories and digests); the folders the workers write are
+theirs alone, 0700 (cached blobs of private images); ``down`` signals the pid in
+``nginx.pid`` only when that process's command line names this state folder's config and
+its owner is one the caller may stop (``imgpipe.base.daemon``).
 """
 
 from __future__ import annotations
@@ -24,8 +32,16 @@ from pathlib import Path
 import requests
 
 from imgpipe.base import process
+from imgpipe.base.adminpath import (
+    Admins,
+    as_path,
+    create_private,
+    only_names,
+    open_admin_folder,
+)
 from imgpipe.base.config import Settings
-from imgpipe.base.files import atomic_write
+from imgpipe.base.daemon import Daemon, daemon_in_file
+from imgpipe.base.files import TMP_PREFIX, atomic_write
 from imgpipe.registry.blobcacheconf import (
     HEALTH_BODY,
     HEALTH_PATH,
@@ -42,6 +58,8 @@ __all__ = ["BlobCacheServer", "CacheState"]
 START_DEADLINE_S = 15.0
 STOP_DEADLINE_S = 15.0
 DEFAULT_USER = "nobody"
+LOGS = ("error.log", "access.log", "nginx.out")
+STATE_NAMES = frozenset({"nginx.conf", "nginx.pid", "tmp", "blobs", *LOGS})
 
 
 @dataclass(frozen=True)
@@ -62,15 +80,17 @@ class BlobCacheServer:
     def __init__(self, settings: Settings) -> None:
         registry = settings.registry
         server = registry.cache_server
-        state = settings.path(server.state_dir).resolve()
-        cache = settings.path(server.cache_dir).resolve() if server.cache_dir else state / "blobs"
+        state = as_path(settings.path(server.state_dir))  # as written: never through a link
+        cache = as_path(settings.path(server.cache_dir)) if server.cache_dir else state / "blobs"
         as_root = os.geteuid() == 0
         self.user = (server.user or DEFAULT_USER) if as_root else None
+        self.admins = Admins.of(self.user) if as_root else Admins(
+            frozenset({0, os.geteuid()}), "root or you")
         self.layout = NginxLayout(
             upstream=registry.url, bind=server.bind, port=server.port, state_dir=state,
             cache_dir=cache, max_size=server.max_size, allow=tuple(server.allow),
             user=self._user_and_group() if self.user else None,
-            ca_file=settings.path(registry.ca_file).resolve() if registry.ca_file else None)
+            ca_file=as_path(settings.path(registry.ca_file)) if registry.ca_file else None)
         self.probe_host = "127.0.0.1" if server.bind in ("0.0.0.0", "::") else server.bind
         self.probe_url = f"http://{self.probe_host}:{server.port}"
         self.url = f"http://{server.bind}:{server.port}"
@@ -102,16 +122,66 @@ class BlobCacheServer:
         return f"{self.user} {group}"
 
     def _prepare(self) -> None:
-        """The state, temporary and cache folders; as root, given to the workers' account."""
+        """The state folder (walked, adopted only if ours), the workers' folders (theirs
+        alone, 0700), the logs (made exclusively, 0600) and no stale pid file."""
         layout = self.layout
-        folders = [layout.state_dir, layout.temp_dir, layout.cache_dir,
-                   *(layout.temp_dir / name for name in TEMP_FOLDERS)]
-        for folder in folders:
-            folder.mkdir(parents=True, exist_ok=True)
+        fd, _ = open_admin_folder(layout.state_dir, self.admins, create_mode=0o755,
+                                  adopt=_state_names, refuse=_refuse,
+                                  what="a blob cache's state folder")
+        assert fd is not None
+        try:
+            temp = self._worker_folder(fd, "tmp", layout.temp_dir)
+            try:
+                for name in TEMP_FOLDERS:
+                    os.close(self._worker_folder(temp, name, layout.temp_dir / name))
+            finally:
+                os.close(temp)
+            if layout.cache_dir == layout.state_dir / "blobs":
+                os.close(self._worker_folder(fd, "blobs", layout.cache_dir))
+            for name in LOGS:
+                os.close(create_private(fd, name, self.admins, 0o600, _refuse,
+                                        str(layout.state_dir)))
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink("nginx.pid", dir_fd=fd)
+        finally:
+            os.close(fd)
+        if layout.cache_dir != layout.state_dir / "blobs":
+            cache, _ = open_admin_folder(layout.cache_dir, self.admins, create_mode=0o700,
+                                         adopt=_cache_names, refuse=_refuse,
+                                         what="a blob cache's folder")
+            assert cache is not None
+            try:
+                self._give_to_workers(cache, layout.cache_dir)
+            finally:
+                os.close(cache)
+
+    def _worker_folder(self, parent: int, name: str, where: Path) -> int:
+        """``name`` below ``parent``, made 0700 or found (a folder, never a link, of root's
+        or the workers'), given to the workers' account; its descriptor."""
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, 0o700, dir_fd=parent)
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         dir_fd=parent)
+        except OSError:
+            raise _refuse(f"{where} is not a folder (a link or a file stands there): refused",
+                          "remove it, then run this again") from None
+        try:
+            self._give_to_workers(fd, where)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _give_to_workers(self, fd: int, where: Path) -> None:
+        info = os.fstat(fd)
+        if info.st_uid not in self.admins.uids:
+            raise _refuse(f"{where} belongs to uid {info.st_uid}, not {self.admins.names}: "
+                          "refused", f"move it aside (mv {where} {where}.suspect)")
         if self.user is not None:
             entry = pwd.getpwnam(self.user)
-            for folder in folders[1:]:
-                os.chown(folder, entry.pw_uid, entry.pw_gid)
+            os.fchown(fd, entry.pw_uid, entry.pw_gid)
+        os.fchmod(fd, 0o700)
 
     def _check_reachable(self) -> None:
         """As root: refuse a folder the workers' account cannot reach (a checkout under
@@ -140,9 +210,14 @@ class BlobCacheServer:
 
     # -- state ------------------------------------------------------------------------------
 
+    def daemon(self) -> Daemon | None:
+        """The live process ``nginx.pid`` names, with whether it is this folder's nginx."""
+        return daemon_in_file(self.layout.pid_file, str(self.config_file))
+
     def pid(self) -> int | None:
-        """The master's pid from its pid file, when that process still lives."""
-        return process.pid_in_file(self.layout.pid_file)
+        """The master's pid, when this state folder's nginx runs."""
+        found = self.daemon()
+        return found.pid if found is not None and found.ours else None
 
     def answers(self) -> bool:
         """Whether this port answers as an imgpipe blob cache (its health path)."""
@@ -193,12 +268,22 @@ class BlobCacheServer:
                                  hint=f"its log is {server.error_log}")
 
     def down(self) -> CacheState:
-        """Stop what ``up`` started (fine when nothing runs); the cached blobs stay."""
+        """Stop what ``up`` started (fine when nothing runs); the cached blobs stay.  A pid
+        file naming any other process, or one the caller may not stop, is refused in one
+        line and nothing is signalled."""
+        if self.user is not None and os.path.lexists(self.layout.state_dir.parent):
+            fd, _ = open_admin_folder(self.layout.state_dir, self.admins, adopt=_state_names,
+                                      refuse=_refuse, what="a blob cache's state folder")
+            if fd is not None:
+                os.close(fd)
+        found = self.daemon()
+        if found is None:
+            return self.state()
+        found.check_signal(f"the blob cache of {self.layout.state_dir}")
         before = self.state()
-        if before.pid is not None:
-            _stop(before.pid)
-            with contextlib.suppress(FileNotFoundError):
-                self.layout.pid_file.unlink()
+        _stop(found.pid)
+        with contextlib.suppress(FileNotFoundError):
+            self.layout.pid_file.unlink()
         return before
 
     def _error_tail(self) -> str:
@@ -210,6 +295,24 @@ class BlobCacheServer:
             if "[emerg]" in line or "[alert]" in line or "[crit]" in line:
                 return short(line)
         return short(lines[-1]) if lines else "(no log)"
+
+
+def _refuse(what: str, hint: str) -> LocalRegistryError:
+    return LocalRegistryError(what, hint=hint)
+
+
+def _state_names(names: list[str]) -> str | None:
+    """What a state folder may hold: the cache's own files (and atomic writes' leftovers)."""
+    other = [name for name in names if name not in STATE_NAMES
+             and not name.startswith(TMP_PREFIX)]
+    return only_names((), "a blob cache's state folder")(other)
+
+
+def _cache_names(names: list[str]) -> str | None:
+    """What a separate cache folder may hold: nginx's two-hex-digit level folders."""
+    other = [name for name in names if not (len(name) == 2 and all(
+        c in "0123456789abcdef" for c in name))]
+    return only_names((), "a blob cache's folder")(other)
 
 
 def _reap(pid: int) -> bool:

@@ -13,14 +13,19 @@ What it lets through, and why (docs/admin.md, "A cache tier for racks"):
   misses per slice: the first request fetches it, the others wait for that one slice (a few
   hundred milliseconds), never for a whole multi-GB blob, so no client's read timeout runs
   out while another fetches.
-* Credentials: the client's ``Authorization`` is forwarded to the registry, which decides
-  on every miss; it is never part of the cache key, and only 200 and 206 answers are stored
-  (401, 403, 404, redirects and errors never; the registry's ``Cache-Control``,
-  ``Set-Cookie`` and ``Vary`` are ignored, ``Set-Cookie`` is not passed on).  A cached blob
-  is served to anyone who can reach the port and names its digest: ``allow`` limits who
-  that is.
+* Credentials: the registry decides every read, hit or miss.  Before a blob is served
+  (from the cache or not), nginx's ``auth_request`` asks the registry ``HEAD /v2/<name>/
+  blobs/<digest>`` with the client's own ``Authorization``: only a 2xx lets the blob out; a
+  401 or 403 goes back to the client with the registry's challenge, so a user the registry
+  would refuse reads nothing cached, under any repository name (and a 404, a blob its
+  repository does not hold, is the client's answer too; a registry that cannot be asked
+  gives 502).  The ``Authorization`` is never part of the cache key, and only 200
+  and 206 answers are stored (401, 403, 404, redirects and errors never; the registry's
+  ``Cache-Control``, ``Set-Cookie`` and ``Vary`` are ignored, ``Set-Cookie`` is not passed
+  on).  ``allow`` limits who reaches the port at all.
 * Every path nginx writes (pid, logs, temporary files, the cache) lies in the state folder:
-  it never touches ``/etc/nginx``, ``/var/log/nginx`` or ``/var/lib/nginx``.
+  it never touches ``/etc/nginx``, ``/var/log/nginx`` or ``/var/lib/nginx``.  The logs name
+  repositories and digests: they are 0600 (registry.blobcache makes them).
 """
 
 from __future__ import annotations
@@ -30,11 +35,15 @@ from pathlib import Path
 
 from imgpipe.base.units import parse_size
 
-__all__ = ["HEALTH_BODY", "HEALTH_PATH", "SLICE", "TEMP_FOLDERS", "NginxLayout", "render"]
+__all__ = ["AUTH_PATH", "HEALTH_BODY", "HEALTH_PATH", "SLICE", "TEMP_FOLDERS", "NginxLayout",
+           "render"]
 
 SLICE = "16m"  # one upstream range request per slice; a waiter waits for one slice at most
 HEALTH_PATH = "/imgpipe-blob-cache"
 HEALTH_BODY = "imgpipe blob cache"
+AUTH_PATH = "/imgpipe-may-read"  # the internal subrequest that asks the registry
+# A repository name as the distribution spec writes it: nothing else is passed upstream.
+REPOSITORY = "[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*"
 TEMP_FOLDERS = ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
 
 
@@ -119,8 +128,11 @@ http {{
             return 200 "{HEALTH_BODY}\\n";
         }}
 
-        location ~ "^/v2/.+/blobs/(?<blob_digest>sha256:[0-9a-f]{{64}})$" {{
+        location ~ "^/v2/(?<blob_repo>{REPOSITORY})/blobs/(?<blob_digest>sha256:[0-9a-f]{{64}})$" {{
             limit_except GET {{ deny all; }}
+            auth_request {AUTH_PATH};
+            auth_request_set $imgpipe_may_read $upstream_status;
+            error_page 500 = @imgpipe_not_read;
             slice {SLICE};
             proxy_cache imgpipe_blobs;
             proxy_cache_key $blob_digest$slice_range;
@@ -138,6 +150,27 @@ http {{
             proxy_connect_timeout 5s;
             proxy_read_timeout 120s;
 {tls}            proxy_pass {layout.upstream};
+        }}
+
+        location = {AUTH_PATH} {{
+            internal;
+            rewrite ^ /v2/$blob_repo/blobs/$blob_digest break;
+            proxy_method HEAD;
+            proxy_pass_request_body off;
+            proxy_set_header Content-Length "";
+            proxy_set_header Range "";
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_connect_timeout 5s;
+            proxy_read_timeout 30s;
+{tls}            proxy_pass {layout.upstream};
+        }}
+
+        location @imgpipe_not_read {{
+            if ($imgpipe_may_read = 404) {{
+                return 404;
+            }}
+            return 502;
         }}
 
         location / {{

@@ -20,17 +20,13 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from imgpipe.base.adminpath import user_name
 from imgpipe.enroot.errors import ConvertError
 
+__all__ = ["ROOT_UID", "CacheTrust", "check_entry", "check_layout_folder", "user_name",
+           "why_untrusted"]
+
 ROOT_UID = 0
-
-
-def user_name(uid: int) -> str:
-    """``uid 1001 (alice)``: how messages name a file's owner."""
-    try:
-        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
-    except KeyError:
-        return f"uid {uid}"
 
 
 @dataclass(frozen=True)

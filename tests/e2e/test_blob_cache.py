@@ -291,9 +291,9 @@ def test_bad_input_is_one_line(cli, registry, state_dir, monkeypatch) -> None:
 
 def test_a_registry_with_a_login_decides_on_every_miss(cli, state_dir, tmp_path_factory,
                                                        tmp_path, capsys) -> None:
-    """Token auth through the cache: the client's Authorization reaches the registry on a
-    miss and is never stored; a 401 is not cached; and what is cached, anyone who reaches
-    the cache reads by its digest (docs/admin.md says so)."""
+    """Token auth through the cache: the client's Authorization reaches the registry on
+    every read and is never stored; a 401 is not cached; and what is cached is served only
+    to a client the registry would serve (no login, or another repository's name: 401)."""
     from imgpipe.registry.auth import Credentials
     from imgpipe.registry.client import RegistryClient
     from imgpipe.registry.errors import AuthError
@@ -327,8 +327,17 @@ def test_a_registry_with_a_login_decides_on_every_miss(cli, state_dir, tmp_path_
                 text = path.read_bytes()
                 assert token.encode() not in text and b"s3cret" not in text, path
 
-        again = services.plain_session().get(url, timeout=10)  # cached: no login asked
-        assert again.status_code == 200 and again.content == data
+        # Cached now, yet the registry still decides (docs/threat-model.md, "the blob
+        # cache"): no login, or the digest named under another repository, reads nothing.
+        for path in (url, f"{cache}/v2/tier/other/blobs/{digest}",
+                     f"{cache}/v2/library/x/blobs/{digest}"):
+            again = services.plain_session().get(path, timeout=10)
+            assert again.status_code == 401 and "Bearer" in again.headers["WWW-Authenticate"]
+            assert data[:4096] not in again.content
+        client.fetch_blob("tier/secret", digest, tmp_path / "again")  # alice: from the cache
+        assert (tmp_path / "again").read_bytes() == data
+        assert any("cache=HIT" in line for line in logged(state_dir / "access.log", digest, 2,
+                                                          "200"))
 
         other = os.urandom(1 << 20)
         other_digest = push_bytes(client, "tier/secret", other)

@@ -1,0 +1,213 @@
+"""The threat model's third round (docs/threat-model.md, "Who reads and writes what"),
+played with real accounts: root's blob cache on a state folder a user prepared, a planted pid
+file, another user's `down`, private logs and cached blobs, deep folders that would stop every
+sweep, and private images kept out of the shared squashfs cache.
+
+Each attack ends with one refusal line (no traceback) and nothing of root's, or of the
+victim's, changed; or with the victim's job getting its bytes regardless.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests import services
+from tests.cluster import USERS, ensure_users, shared_folder, system_imgpipe
+
+ALICE, BOB = USERS
+ROOT_IMGPIPE = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "imgpipe"
+
+
+@pytest.fixture(scope="module")
+def accounts() -> dict[str, object]:
+    """The job users and an imgpipe every one of them can run."""
+    ensure_users()
+    bin_dir = system_imgpipe(Path(__file__).resolve().parents[2])
+    return {"bin": bin_dir, "uid": {name: pwd.getpwnam(name).pw_uid for name in USERS}}
+
+
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[services.RegistryProcess]:
+    server = services.start_registry(tmp_path_factory.mktemp("third-registry"))
+    yield server
+    server.stop()
+
+
+def _config(folder: Path, registry: services.RegistryProcess, state: Path) -> Path:
+    """A site config every user can read, naming the cache's state folder."""
+    port = services.free_port()
+    path = folder / f"imgpipe-{port}.yaml"
+    path.write_text(yaml.safe_dump({"registry": {
+        "port": registry.port, "blob_cache": f"http://127.0.0.1:{port}",
+        "cache_server": {"port": port, "state_dir": str(state), "max_size": "1G"}}}))
+    path.chmod(0o644)
+    return path
+
+
+def _as_root(config: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(ROOT_IMGPIPE), *argv], capture_output=True, text=True,
+                          timeout=120, cwd="/tmp",
+                          env={**os.environ, "IMGPIPE_CONFIG": str(config)})
+
+
+def _as_user(accounts, user: str, config: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    imgpipe = str(Path(str(accounts["bin"])) / "imgpipe")
+    return subprocess.run(["runuser", "-u", user, "--", "env", f"IMGPIPE_CONFIG={config}",
+                           imgpipe, *argv], capture_output=True, text=True, timeout=120,
+                          cwd="/tmp")
+
+
+def _shell_as(user: str, script: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["runuser", "-u", user, "--", "/bin/sh", "-c", script],
+                          capture_output=True, text=True, timeout=60, cwd="/tmp")
+
+
+def _one_line(done: subprocess.CompletedProcess[str]) -> str:
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    [line] = done.stderr.strip().splitlines()
+    return line
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[int, int, bytes]]:
+    found = {}
+    for path in [folder, *sorted(folder.rglob("*"))]:
+        info = path.lstat()
+        found[str(path)] = (info.st_uid, info.st_mode,
+                            path.read_bytes() if path.is_file() and not path.is_symlink() else b"")
+    return found
+
+
+@pytest.fixture
+def victim() -> Iterator[tuple[Path, Path]]:
+    """Root's own things a planted link would reach: a folder (what /var/lib is) and a file
+    (what /etc/shadow is)."""
+    folder = shared_folder("imgpipe-roots-")
+    (folder / "keep").write_text("root's\n")
+    shadow = folder / "shadow"
+    shadow.write_text("root:!:1::::::\n")
+    shadow.chmod(0o600)
+    yield folder, shadow
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def bobs_process() -> Iterator[int]:
+    """A process of bob's: what a planted pid file names."""
+    proc = subprocess.Popen(["runuser", "-u", BOB, "--", "sleep", "300"])
+    deadline = time.monotonic() + 10
+    child = None
+    while child is None and time.monotonic() < deadline:
+        out = subprocess.run(["pgrep", "-u", BOB, "-P", str(proc.pid), "sleep"],
+                             capture_output=True, text=True).stdout.split()
+        child = int(out[0]) if out else None
+        if child is None:
+            out = subprocess.run(["pgrep", "-u", BOB, "-x", "sleep"], capture_output=True,
+                                 text=True).stdout.split()
+            child = int(out[-1]) if out else None
+        time.sleep(0.05)
+    assert child is not None
+    yield child
+    proc.kill()
+    subprocess.run(["pkill", "-u", BOB, "-x", "sleep"], check=False)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_root_never_starts_the_blob_cache_on_a_folder_a_user_prepared(
+        accounts, upstream, victim, bobs_process) -> None:
+    """threat-model: "the blob cache ... root's up and down walk its state folder".
+    In a scratch folder every user may write (1777, as /var/tmp is), bob prepares the state
+    folder: his own, with `tmp` linked to root's folder, `access.log` linked to root's
+    shadow and `nginx.pid` naming his process; or the state path itself a link to root's
+    folder.  Root's `up` and `down` refuse each in one line; root's folder and file keep
+    owner, mode and bytes, bob's process lives."""
+    folder, shadow = victim
+    scratch = shared_folder("imgpipe-scratch-")
+    scratch.chmod(0o1777)
+    before = _snapshot(folder)
+    prepared = scratch / "state"
+    done = _shell_as(BOB, f"mkdir -m 777 {prepared} && ln -s {folder} {prepared}/tmp && "
+                     f"ln -s {shadow} {prepared}/access.log && "
+                     f"echo {bobs_process} > {prepared}/nginx.pid && "
+                     f"ln -s {folder} {scratch}/linked")
+    assert done.returncode == 0, done.stderr
+    bob = f"uid {accounts['uid'][BOB]} ({BOB})"
+    for state, refusal in ((prepared, f"{prepared} was made by {bob}, a job user"),
+                           (scratch / "linked", f"{scratch}/linked is a symbolic link"),
+                           (scratch / "linked" / "state", f"{scratch}/linked is a symbolic link")):
+        config = _config(scratch, upstream, state)
+        for command in ("up", "down"):
+            line = _one_line(_as_root(config, "registry", "cache", command))
+            assert refusal in line, (command, line)
+    assert _snapshot(folder) == before
+    assert _alive(bobs_process)
+    assert not (folder / "nginx.conf").exists()
+    shutil.rmtree(scratch)
+
+
+def test_root_signals_only_the_nginx_it_started(accounts, upstream, bobs_process) -> None:
+    """A pid file in root's own state folder that names another process (a reused pid, or
+    one planted before the folder was root's): `down` refuses in one line, signals
+    nothing; `up` does not take it for a running cache and starts one."""
+    state = shared_folder("imgpipe-state-")
+    config = _config(state.parent, upstream, state / "cache")
+    (state / "cache").mkdir(mode=0o755)
+    (state / "cache" / "nginx.pid").write_text(f"{bobs_process}\n")
+    line = _one_line(_as_root(config, "registry", "cache", "down"))
+    assert f"pid {bobs_process} is not the process imgpipe started" in line, line
+    assert _alive(bobs_process)
+    try:
+        done = _as_root(config, "registry", "cache", "up")
+        assert done.returncode == 0 and "blob cache started" in done.stdout, done.stderr
+        assert _alive(bobs_process)
+    finally:
+        _as_root(config, "registry", "cache", "down")
+        config.unlink()
+
+
+def test_logs_and_cached_blobs_are_root_and_the_workers_alone(accounts, upstream) -> None:
+    """threat-model: "the blob cache ... its logs and cached blobs". Another user's `down`
+    is one line and stops nothing; the access log (repositories and digests) is 0600 root's,
+    the cached blobs 0700 the workers'; bob reads neither."""
+    state = shared_folder("imgpipe-state-")
+    config = _config(state.parent, upstream, state / "cache")
+    try:
+        done = _as_root(config, "registry", "cache", "up")
+        assert done.returncode == 0, done.stderr
+        session = services.plain_session()
+        digest = services.push_blob(session, upstream.url, "third/blob", os.urandom(1 << 20))
+        port = yaml.safe_load(config.read_text())["registry"]["cache_server"]["port"]
+        got = session.get(f"http://127.0.0.1:{port}/v2/third/blob/blobs/{digest}", timeout=10)
+        assert got.status_code == 200
+        line = _one_line(_as_user(accounts, BOB, config, "registry", "cache", "down"))
+        assert "runs as root" in line and "only root can stop it" in line, line
+        assert session.get(f"http://127.0.0.1:{port}/imgpipe-blob-cache", timeout=5).ok
+        cache = state / "cache"
+        for name in ("access.log", "error.log", "nginx.out"):
+            info = (cache / name).stat()
+            assert (info.st_uid, info.st_mode & 0o777) == (0, 0o600), name
+        nobody = pwd.getpwnam("nobody").pw_uid
+        for folder in (cache / "blobs", cache / "tmp"):
+            info = folder.stat()
+            assert (info.st_uid, info.st_mode & 0o777) == (nobody, 0o700), folder
+        assert digest.split(":")[1][:12] in (cache / "access.log").read_text()
+        peek = _shell_as(BOB, f"cat {cache}/access.log; ls {cache}/blobs")
+        assert peek.returncode != 0 and digest.split(":")[1][:12] not in peek.stdout
+    finally:
+        assert _as_root(config, "registry", "cache", "down").returncode == 0
+        config.unlink()
