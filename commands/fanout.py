@@ -34,6 +34,7 @@ from imgpipe.base.units import human_bytes
 from imgpipe.commands.importer import config_file, fast_get, get, say
 from imgpipe.commands.wiring import storage
 from imgpipe.enroot.cache.storage import Storage, fetched_stem
+from imgpipe.enroot.cache.trust import check_entry
 from imgpipe.enroot.published.pins import Pins
 from imgpipe.registry.reference import Reference
 
@@ -164,14 +165,13 @@ def _take_copy(cache: Storage, ref: Reference, staged: Staged, here: str, compre
             _discard(staged.dest)
             return (f"refused the sbcast copy: it hashes to {got[:19]}…, not "
                     f"{staged.sha256[:19]}…")
-        os.fchmod(fd, 0o644)
-        target = _target(cache, ref, staged, compression)
-        try:
-            os.link(staged.dest, target)  # never over an entry that appeared meanwhile
-        except FileExistsError:
-            _discard(staged.dest)
-            found = fast_get(ref.enroot)
-            return found if found is not None else f"{target.name} appeared meanwhile"
+        # a private image's entry (its registry asked for a login) is 0600, and so is the
+        # copy sbcast made of it: it stays this user's alone (enroot.cache.storage)
+        cache.private = not info.st_mode & 0o077
+        os.fchmod(fd, cache.entry_mode)
+        target = _link_entry(cache, ref, staged, compression, here)
+        if not isinstance(target, Path):
+            return target
         if os.lstat(target).st_ino != info.st_ino:
             return f"{target.name} changed while it was taken: refused"
         _discard(staged.dest)
@@ -180,6 +180,30 @@ def _take_copy(cache: Storage, ref: Reference, staged: Staged, here: str, compre
         return target
     finally:
         os.close(fd)
+
+
+def _link_entry(cache: Storage, ref: Reference, staged: Staged, compression: str,
+                here: str) -> Path | str:
+    """Link the checked copy in as this user's entry (never over a file: ``link`` fails on
+    one); where another user planted something at that name, into this user's private
+    folder instead, which the importer's lookup finds too."""
+    target = _target(cache, ref, staged, compression)
+    try:
+        os.link(staged.dest, target)
+        return target
+    except FileExistsError:
+        pass
+    found = fast_get(ref.enroot)
+    if found is not None or check_entry(target, cache.trust) is None:
+        _discard(staged.dest)
+        return found if found is not None else target  # one appeared meanwhile: ours
+    if cache.private:
+        _discard(staged.dest)
+        return f"{target.name} appeared meanwhile"
+    say(f"{here}: {target.name} is not yours ({check_entry(target, cache.trust)}): the copy "
+        "is kept in your own folder instead")
+    cache.private = True
+    return _link_entry(cache, ref, staged, compression, here)
 
 
 def _discard(path: Path) -> None:

@@ -280,7 +280,10 @@ def get(uri: str) -> Path:
     ref = Reference.parse(uri, default_registry=settings.registry.address)
     enroot = settings.enroot
     cache = storage(settings)
-    if enroot.cache_writer and cache.shared and not cache.trust.is_admin:
+    # A login registry's images are private: never written to the shared entries the
+    # writer makes for every user (docs/threat-model.md, "the squashfs cache").
+    if enroot.cache_writer and cache.shared and not cache.trust.is_admin \
+            and settings.registry.credentials.source == "none":
         from imgpipe.commands.cachewriter import ask_writer
 
         require_served(ref, settings.registry.address)
@@ -310,6 +313,7 @@ def record_step(squashfs: Path) -> None:
 
     quick = _quick() or {}
     cache = Storage(squashfs.parent, CacheTrust.of(quick.get("cache_owner")))
+    cache = Storage(cache.entry_root(squashfs), cache.trust)  # a private entry's cache
     marker = record_use(cache, squashfs, os.environ.get("SLURM_JOB_ID", "nojob"),
                         os.environ.get("SLURM_STEP_ID", "nostep"))
     write_record([str(cache.uses.resolve()), marker.name])

@@ -11,6 +11,7 @@ lock deletes.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import os
@@ -23,6 +24,7 @@ from typing import IO, Any, cast
 
 from imgpipe.base.files import SquashfsPath, atomic_path
 from imgpipe.base.platforms import Platform, node_platform
+from imgpipe.base.removal import remove_tree
 from imgpipe.enroot.cache.storage import Storage
 from imgpipe.enroot.errors import (
     BlobDigestError,
@@ -153,9 +155,24 @@ def convert(client: RegistryClient, storage: Storage, ref: Reference,
                               time.monotonic() - started, existing.stat().st_size,
                               options.compression)
     digest = resolve_digest(client, ref, platform)
+    if client.used_credentials and not storage.private:
+        # the registry asked for a login: what is kept of this image is this user's alone
+        storage.private = True
+        say(f"{ref.repository} needs a login: its squashfs and blobs are kept for you alone")
     policy = published.pinned_for(digest) if published else None
     target = _Target(ref, digest, storage.squashfs(ref.repository, digest, options.compression),
                      options, say, started, *([count] if count else []))
+    done = _converted(client, storage, target, policy, connections, with_enroot)
+    if storage.private and done.path.parent == storage.private_dir():
+        os.chmod(done.path, storage.entry_mode)  # a copy sbcast makes keeps 0600
+    return done
+
+
+def _converted(client: RegistryClient, storage: Storage, target: _Target,
+               policy: PublishedPolicy | None, connections: int, with_enroot: bool
+               ) -> Conversion:
+    """``convert``'s work once the digest is known: found, fetched or converted."""
+    ref, digest, options, say = target.ref, target.digest, target.options, target.say
 
     def found(conversions: bool | None = None) -> Conversion | None:
         path = storage.find_squashfs(ref.repository, digest, options.compression,
@@ -290,7 +307,8 @@ def _convert_arriving(client: RegistryClient, storage: Storage, target: _Target,
         raise AssertionError("unreachable")
     finally:
         if work is not None:
-            shutil.rmtree(work, ignore_errors=True)
+            with contextlib.suppress(OSError):  # an image may carry a tree 10,000 deep
+                remove_tree(work)
 
 
 def _all_or_raise(arrivals: Arrivals, failure: Exception) -> list[LayerSource]:

@@ -113,6 +113,9 @@ class Authenticator:
         self.registry_url = registry_url
         self.allow_http = allow_http  # registry.credentials.allow_http
         self._tokens: dict[tuple[str, str, str], str] = {}
+        # Whether the registry was answered with credentials: its images are then private
+        # (what imgpipe keeps of them is the user's alone, enroot.cache.storage).
+        self.credentials_sent = False
 
     def may_send_to(self, url: str) -> bool:
         """Credentials go to the registry's own host alone, and over plain http only when
@@ -139,6 +142,7 @@ class Authenticator:
                     "(anyone on the network could read it)",
                     hint="use https (registry.scheme), or set registry.credentials.allow_http: "
                     "true if this network is trusted", status=401)
+            self.credentials_sent = True
             return self.credentials.basic_header()
         if scheme == "bearer":
             return f"Bearer {self._token(params, registry)}"
@@ -159,6 +163,7 @@ class Authenticator:
         headers = {}
         if self.credentials is not None and self.may_send_to(realm):
             headers["Authorization"] = self.credentials.basic_header()
+            self.credentials_sent = True
         elif self.credentials is not None:
             log.debug("token realm %s is not the registry's host over https: asked anonymously",
                       realm)

@@ -266,6 +266,12 @@ class RegistryClient:
 
     # -- API -------------------------------------------------------------------------------
 
+    @property
+    def used_credentials(self) -> bool:
+        """Whether this client logged in to the registry (Basic, or a token asked for with
+        credentials): what it read is then a private image's."""
+        return self.auth.credentials_sent
+
     def ping(self) -> None:
         """Check the registry speaks API v2 (and that our credentials work)."""
         response = self.request("GET", "/v2/", ok={200})

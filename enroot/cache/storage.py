@@ -9,6 +9,9 @@ Layout under ``root`` (the cluster filesystem, shared by every node)::
                                   published squashfs files fetched from the registry,
                                   keyed by their own digest (what pins name)
     <either name>.u<uid>.sqsh     the same, made by job user <uid> in a shared cache
+    .imgpipe/tmp/u<uid>/<either name>.sqsh
+                                  a private image's entry (its registry asked for a login):
+                                  user <uid>'s alone, 0600 in a 0700 folder, as are its blobs
     .imgpipe/VERSION              layout version
     .imgpipe/CACHEDIR.TAG         tells backup tools this is a cache
     .imgpipe/blobs/sha256/<hex>   registry blobs, shared by all images (hashed on every use)
@@ -51,6 +54,7 @@ from imgpipe.base.files import (
     owner_tag,
     read_regular,
 )
+from imgpipe.base.removal import remove_tree
 from imgpipe.base.terminal import shown
 from imgpipe.enroot.cache.lock import digest_lock
 from imgpipe.enroot.cache.rootpath import walk_admin_path
@@ -90,6 +94,9 @@ class Storage:
         self.trust = trust or CacheTrust.of()
         self.lock_timeout_s = lock_timeout_s
         self._walked = False
+        # A private image (its registry asked for credentials): entries and blobs go to this
+        # user's own folder, never to a name other users can read (convert sets it).
+        self.private = False
 
     def check_admin_path(self, create: bool = False) -> None:
         """As root or the service account, refuse a cache path a job user could have
@@ -209,7 +216,22 @@ class Storage:
             f"--make-cache {self.root} (mode 1777, or 3775 with a group of all job users)")
 
     def blob(self, digest: str) -> Path:
-        return self.blobs / digest_hex(digest)
+        """Where a blob is kept: the shared folder, or this user's own for a private image."""
+        return self.private_blob(digest) if self.private else self.blobs / digest_hex(digest)
+
+    @property
+    def entry_mode(self) -> int:
+        """The mode of the entries this process writes: 0600 for a private image's (a copy
+        sbcast makes keeps it), 0644 otherwise (Pyxis reads as the job's user)."""
+        return 0o600 if self.private else 0o644
+
+    def entry_root(self, entry: Path) -> Path:
+        """The cache folder an entry belongs to (a private entry lies in ``tmp/u<uid>``)."""
+        private = entry.parent
+        if private.name.startswith("u") and private.parent.name == "tmp" \
+                and private.parent.parent.name == ".imgpipe":
+            return private.parent.parent.parent
+        return entry.parent
 
     def private_dir(self) -> Path:
         """This user's own folder for partial downloads and private copies
@@ -247,23 +269,35 @@ class Storage:
 
         return Path(tempfile.mkdtemp(prefix=f"{purpose}-", dir=self.private_dir()))
 
-    def _name(self, stem: str) -> str:
-        return f"{stem}.u{self.trust.me}.sqsh" if self._own_names else f"{stem}.sqsh"
+    def _entry(self, stem: str) -> Path:
+        if self.private:
+            return self.private_dir() / f"{stem}.sqsh"
+        return self.root / (f"{stem}.u{self.trust.me}.sqsh" if self._own_names
+                            else f"{stem}.sqsh")
 
     def _candidates(self, stem: str) -> list[Path]:
         names = [f"{stem}.sqsh"]
         if self._own_names:
             names.append(f"{stem}.u{self.trust.me}.sqsh")
-        return [self.root / name for name in names]
+        found = [self.root / name for name in names]
+        # this user's private entries (and one taken where another user planted its name),
+        # looked at only in a folder that is this user's alone
+        own = self.tmp / f"u{self.trust.me}"
+        with contextlib.suppress(OSError):
+            info = own.lstat()
+            if stat.S_ISDIR(info.st_mode) and info.st_uid == self.trust.me \
+                    and not info.st_mode & 0o077:
+                found.append(own / f"{stem}.sqsh")
+        return found
 
     def squashfs(self, repository: str, digest: str, compression: str) -> Path:
         """Where this user writes the conversion of (digest, compression, FORMAT)."""
-        return self.root / self._name(conversion_stem(repository, digest, compression))
+        return self._entry(conversion_stem(repository, digest, compression))
 
     def fetched(self, repository: str, blob: str) -> Path:
         """Where this user writes a fetched published squashfs: named by its own digest, so
         a job pinned to one never finds another."""
-        return self.root / self._name(fetched_stem(repository, blob))
+        return self._entry(fetched_stem(repository, blob))
 
     def find_squashfs(self, repository: str, digest: str, compression: str,
                       pins: frozenset[str] = frozenset(),
@@ -292,7 +326,7 @@ class Storage:
         """Hold the digest's exclusive lock (a job user's own lock in a shared cache, where
         its conversions are its own); ``on_wait`` hears who holds it, once.  Waiting longer
         than ``timeout_s`` ends in one line naming the holder."""
-        suffix = f".u{self.trust.me}" if self._own_names else ""
+        suffix = f".u{self.trust.me}" if self._own_names or self.private else ""
         return digest_lock(self.locks / f"{digest_hex(digest)}{suffix}.lock", digest,
                            self.trust, bool(suffix), self._not_shared, on_wait,
                            self.lock_timeout_s if timeout_s is None else timeout_s)
@@ -307,25 +341,32 @@ class Storage:
         now = time.time()
         in_ram = [path for path in (RAM_DIR.glob(f"imgpipe-{hexpart}~{socket.gethostname()}~*")
                                     if RAM_DIR.is_dir() else [])
-                  if orphaned(path.name, path.lstat().st_mtime, now)]
+                  if orphaned(path.name, _mtime(path), now)]
         for leftover in [*self.root.glob(f"{TMP_PREFIX}*sha256-{hexpart}*.sqsh.*"),
                          *self.tmp.glob(f"{hexpart}.*"),
                          *self.tmp.glob(f"{hexpart}~*"), *in_ram]:
-            # In a sticky shared folder only the owner may delete: another user's
-            # leftover stays until its owner (or an admin) converts again.
-            with contextlib.suppress(PermissionError):
-                if leftover.is_dir() and not leftover.is_symlink():
-                    shutil.rmtree(leftover)
-                else:
-                    leftover.unlink(missing_ok=True)
-                removed += 1
+            # Only this user's own leftovers: another user's stays until its owner (or an
+            # admin) converts again, and nothing it made there can fail this conversion.
+            removed += self._remove_own(leftover)
         return removed
 
+    def _remove_own(self, path: Path) -> int:
+        """Remove ``path`` (a tree too, without recursion or following a link) when this
+        user owns it; 1 when removed.  Nothing another user made there raises."""
+        try:
+            if path.lstat().st_uid != self.trust.me:
+                return 0
+            remove_tree(path)
+        except OSError:
+            return 0
+        return 1
+
     def sweep(self) -> int:
-        """Remove what crashed runs left, whatever digest: partial blobs, partial squashfs
-        files and work trees (also in /dev/shm) whose owner is gone (a dead pid on this
-        host; on another host, nothing written for a day), and this user's partial
-        downloads untouched for a day.  Returns how many."""
+        """Remove what this user's crashed runs left, whatever digest: partial blobs,
+        partial squashfs files and work trees (also in /dev/shm) whose process is gone (a
+        dead pid on this host; on another host, nothing written for a day), and partial
+        downloads untouched for a day.  Another user's files are never touched, and
+        nothing they made fails it.  Returns how many."""
         now = time.time()
         candidates = [*self.root.glob(f"{TMP_PREFIX}*"), *self.blobs.glob(f"{TMP_PREFIX}*"),
                       *self.tmp.glob("*~*")]
@@ -337,14 +378,9 @@ class Storage:
                 info = path.lstat()
             except FileNotFoundError:
                 continue
-            if not orphaned(path.name, info.st_mtime, now):
-                continue
-            with contextlib.suppress(FileNotFoundError, PermissionError):
-                if stat.S_ISDIR(info.st_mode):
-                    shutil.rmtree(path)
-                else:
-                    path.unlink()
-                removed += 1
+            if info.st_uid != self.trust.me or not orphaned(path.name, info.st_mtime, now):
+                continue  # a user sweeps only its own leftovers
+            removed += self._remove_own(path)
         return removed + self._sweep_partials(now) + self._sweep_staged(now)
 
     def _sweep_staged(self, now: float) -> int:
@@ -395,6 +431,13 @@ class Storage:
         path = parent / name
         path.mkdir(mode=0o700, exist_ok=False)
         return path
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.lstat().st_mtime
+    except FileNotFoundError:
+        return float("inf")  # gone meanwhile: not a leftover
 
 
 def conversion_stem(repository: str, digest: str, compression: str) -> str:

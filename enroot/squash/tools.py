@@ -16,6 +16,7 @@ fine), and a file the node's tools cannot read is worse than a slower one.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -27,6 +28,7 @@ from typing import IO, Literal, cast, get_args
 from imgpipe.base import process
 from imgpipe.base.errors import CommandError
 from imgpipe.base.process import last_line, require
+from imgpipe.base.removal import remove_tree
 from imgpipe.enroot.errors import ConvertError
 
 Compression = Literal["zstd", "lz4", "lzo-enroot", "none"]
@@ -138,7 +140,8 @@ def squash_tree(fill: Callable[[Path], object], output: Path, options: SquashOpt
             _raise_if_full(str(output), f"{result.stderr}\n{result.stdout}")
             raise ConvertError(f"mksquashfs failed (exit {result.returncode}): {detail}")
     finally:
-        shutil.rmtree(tree, ignore_errors=True)
+        with contextlib.suppress(OSError):  # an image may carry a tree 10,000 deep
+            remove_tree(tree)
 
 
 FULL_BELOW = 4 << 20  # free bytes under which a failed write means a full file system

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import shlex
 import shutil
 import subprocess
 import time
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests import services
+from tests import services, tenants
 from tests.cluster import USERS, ensure_users, shared_folder, system_imgpipe
 
 ALICE, BOB = USERS
@@ -211,3 +212,158 @@ def test_logs_and_cached_blobs_are_root_and_the_workers_alone(accounts, upstream
     finally:
         assert _as_root(config, "registry", "cache", "down").returncode == 0
         config.unlink()
+
+
+def _deep_folder_as(site, user: str, path: Path, depth: int = 3000) -> None:
+    script = ("import os, sys\n"
+              "os.mkdir(sys.argv[1]); os.chdir(sys.argv[1])\n"
+              f"for _ in range({depth}):\n"
+              "    os.mkdir('d'); os.chdir('d')\n"
+              "open('f', 'w').close()\n")
+    done = tenants.as_user(site, user, f"python3 -c {shlex.quote(script)} {path}")
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_deep_folder_another_user_made_stops_nobodys_sweep(site, registry_server) -> None:
+    """threat-model: "the squashfs cache ... availability".  Bob makes folders 3,000 levels
+    deep named like orphaned work areas (a dead process's `~host~pid~start`, and a digest's
+    `<hex>.x`) in the shared cache's tmp: alice's cold `get` (which sweeps, and cleans the
+    digest's leftovers) converts as ever, and bob's folders are his to keep."""
+    digest = tenants.image(registry_server, "deep-folders")
+    tmp = site["cache"] / ".imgpipe" / "tmp"
+    node = site["cluster"].spec.nodes[0].name
+    planted = [tmp / f"work~{node}~999999~1", tmp / f"{digest.split(':')[1]}.x"]
+    for path in planted:
+        _deep_folder_as(site, BOB, path)
+    done = tenants.get(site, ALICE, f"docker://head:5000#{tenants.REPO}@{digest}")
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert Path(done.stdout.strip()).is_file()
+    for path in planted:
+        assert path.is_dir() and path.stat().st_uid == site["uid"][BOB]
+        subprocess.run(["rm", "-rf", str(path)], check=True)
+
+
+LOGIN, PASSWORD = "puller", "Pr1vate-pa55"
+
+
+@pytest.fixture(scope="module")
+def private_site(accounts, tmp_path_factory) -> Iterator[dict[str, object]]:
+    """A TLS registry that asks for a login, a shared cache root made, and a site config:
+    alice has the login in her ~/.netrc, bob has none."""
+    import trustme
+
+    root = tmp_path_factory.mktemp("login-registry")
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    cert.private_key_pem.write_to_path(str(root / "server.key"))
+    cert.cert_chain_pems[0].write_to_path(str(root / "server.crt"))
+    services.htpasswd_file(root / "htpasswd", LOGIN, PASSWORD)
+    server = services.start_registry(root, extra={
+        "http": {"tls": {"certificate": str(root / "server.crt"),
+                         "key": str(root / "server.key")}},
+        "auth": {"htpasswd": {"realm": "private", "path": str(root / "htpasswd")}},
+    }, scheme="https")
+    shared = shared_folder("imgpipe-private-")
+    ca.cert_pem.write_to_path(str(shared / "ca.pem"))
+    cache = shared / "squashfs"
+    made = subprocess.run([str(ROOT_IMGPIPE), "node-config", "--make-cache", str(cache)],
+                          capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    config = shared / "imgpipe.yaml"
+    config.write_text(yaml.safe_dump({
+        "registry": {"host": "127.0.0.1", "port": server.port, "scheme": "https",
+                     "ca_file": str(shared / "ca.pem"), "credentials": {"source": "netrc"}},
+        "outputs": {"squashfs_dir": str(cache)}}))
+    config.chmod(0o644)
+    home = Path(pwd.getpwnam(ALICE).pw_dir)
+    netrc = home / ".netrc"
+    netrc.write_text(f"machine 127.0.0.1 login {LOGIN} password {PASSWORD}\n")
+    os.chown(netrc, pwd.getpwnam(ALICE).pw_uid, pwd.getpwnam(ALICE).pw_gid)
+    netrc.chmod(0o600)
+    session = services.plain_session()
+    session.auth = (LOGIN, PASSWORD)
+    session.verify = str(shared / "ca.pem")
+    yield {"server": server, "cache": cache, "config": config, "session": session}
+    netrc.unlink()
+    server.stop()
+
+
+def _import_as(accounts, user: str, config: Path, *argv: str
+               ) -> subprocess.CompletedProcess[str]:
+    importer = str(Path(str(accounts["bin"])) / "imgpipe-pyxis-importer")
+    home = pwd.getpwnam(user).pw_dir
+    return subprocess.run(["runuser", "-u", user, "--", "env", f"IMGPIPE_CONFIG={config}",
+                           f"HOME={home}", importer, *argv], capture_output=True, text=True,
+                          timeout=300, cwd="/tmp")
+
+
+def test_a_private_images_bytes_are_kept_for_the_user_who_pulled_it(accounts,
+                                                                    private_site) -> None:
+    """threat-model: "the squashfs cache ... who reads".  Alice pulls an image from a
+    registry that asks for a login: its squashfs and blobs lie in her own 0700 folder, 0600,
+    nothing at a shared name.  Bob, without the login, gets nothing from the cache for the
+    same pinned digest (the registry's one line) and cannot read her files."""
+    server = private_site["server"]
+    cache: Path = private_site["cache"]  # type: ignore[assignment]
+    secret = f"secret {time.monotonic_ns()}\n".encode()
+    layer = services.tar_layer({"srv/secret": secret, "etc/os-release": b"ID=private\n"})
+    digest = services.push_image(private_site["session"], server.url, "private/img", "v1",
+                                 [layer])
+    uri = f"docker://127.0.0.1:{server.port}#private/img@{digest}"
+    got = _import_as(accounts, ALICE, private_site["config"], "get", uri)
+    assert got.returncode == 0, got.stderr
+    path = Path(got.stdout.strip())
+    alice = accounts["uid"][ALICE]
+    assert path.parent == cache / ".imgpipe" / "tmp" / f"u{alice}"
+    assert (path.stat().st_uid, path.stat().st_mode & 0o777) == (alice, 0o600)
+    assert (path.parent.stat().st_mode & 0o777) == 0o700
+    assert not list(cache.glob("*.sqsh")), "a private image's entry at a shared name"
+    layer_hex = services.digest_of(layer).split(":")[1]
+    assert not (cache / ".imgpipe" / "blobs" / "sha256" / layer_hex).exists()
+    again = _import_as(accounts, ALICE, private_site["config"], "get", uri)
+    assert again.returncode == 0 and again.stdout.strip() == str(path), again.stderr
+
+    refused = _import_as(accounts, BOB, private_site["config"], "get", uri)
+    line = _one_line(refused)
+    assert "requires a login" in line, line
+    peek = _shell_as(BOB, f"cat {path}; ls {path.parent}; grep -r secret {cache}")
+    assert secret.decode().strip() not in peek.stdout
+
+
+def test_take_keeps_a_verified_copy_when_another_user_planted_its_entry_name(
+        accounts, upstream) -> None:
+    """threat-model: "node-local copies ... availability".  Bob plants a file at alice's own
+    entry name in the shared cache (sticky: she cannot remove it): alice's `take` of her
+    verified sbcast copy says so in one line and keeps the copy in her own folder, where
+    the importer's `get` finds it; nothing is fetched again and the job starts."""
+    shared = shared_folder("imgpipe-take-")
+    cache = shared / "squashfs"
+    made = subprocess.run([str(ROOT_IMGPIPE), "node-config", "--make-cache", str(cache)],
+                          capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    config = shared / "imgpipe.yaml"
+    config.write_text(yaml.safe_dump({"registry": {"host": "127.0.0.1",
+                                                   "port": upstream.port},
+                                      "outputs": {"squashfs_dir": str(cache)}}))
+    config.chmod(0o644)
+    layer = services.tar_layer({"srv/stamp": f"{time.monotonic_ns()}\n".encode()})
+    digest = services.push_image(services.plain_session(), upstream.url, "take/img", "v1",
+                                 [layer])
+    uri = f"docker://127.0.0.1:{upstream.port}#take/img@{digest}"
+    staged = _import_as(accounts, ALICE, config, "stage", uri)
+    assert staged.returncode == 0, staged.stderr
+    source, sha256, dest, manifest = staged.stdout.split()
+    # what sbcast does: alice's copy, under the unguessable name; then her batch host's
+    # entry is gone (a node that never had it)
+    assert _shell_as(ALICE, f"cp {source} {dest} && rm {source}").returncode == 0
+    entry = Path(source)
+    done = _shell_as(BOB, f"echo planted > {entry}")
+    assert done.returncode == 0 and entry.stat().st_uid == accounts["uid"][BOB]
+    taken = _import_as(accounts, ALICE, config, "take", uri, sha256, dest, manifest)
+    assert taken.returncode == 0 and "Traceback" not in taken.stderr, taken.stderr
+    assert "is kept in your own folder" in taken.stderr and "fetching" not in taken.stderr
+    path = Path(taken.stdout.strip())
+    assert path.parent == cache / ".imgpipe" / "tmp" / f"u{accounts['uid'][ALICE]}"
+    got = _import_as(accounts, ALICE, config, "get", uri)
+    assert got.returncode == 0 and got.stdout.strip() == str(path), got.stderr
+    assert entry.read_text() == "planted\n"

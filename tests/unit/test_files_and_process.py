@@ -66,3 +66,30 @@ def test_atomic_files_get_the_mode_open_would_give(tmp_path: Path) -> None:
         os.umask(old)
     assert plain.stat().st_mode & 0o777 == 0o644
     assert private.stat().st_mode & 0o777 == 0o600
+
+
+def test_remove_tree_goes_deeper_than_python_recursion_and_follows_no_link(tmp_path) -> None:
+    """A folder 3,000 levels deep (rmtree's RecursionError in Python 3.11) is removed; a link
+    inside it is removed, never what it names."""
+    from imgpipe.base.removal import remove_tree
+
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "file").write_text("stays\n")
+    top = tmp_path / "deep"
+    top.mkdir()
+    fd = os.open(top, os.O_RDONLY)
+    try:
+        for _ in range(3000):
+            os.mkdir("d", dir_fd=fd)
+            below = os.open("d", os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = below
+        os.symlink(kept, "link", dir_fd=fd)
+    finally:
+        os.close(fd)
+    remove_tree(top)
+    assert not top.exists() and (kept / "file").read_text() == "stays\n"
+    (tmp_path / "alink").symlink_to(kept)
+    remove_tree(tmp_path / "alink")
+    assert not (tmp_path / "alink").is_symlink() and (kept / "file").exists()
