@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from bert_trainer.data import Batch
 from bert_trainer.lamb import Lamb, parameter_groups
+from bert_trainer.master import MasterWeights
 from bert_trainer.model import BertForPreTraining, pretraining_loss
 from bert_trainer.schedule import poly_warmup
 
@@ -44,12 +45,21 @@ class Trainer:
                  learning_rate: float, warmup_proportion: float, total_steps: int,
                  accumulation: int, distributed: bool = False, compile_model: bool = False,
                  weight_decay: float = 0.01, max_grad_norm: float = 1.0,
-                 loss_scale_growth_interval: int = 2000) -> None:
+                 loss_scale_growth_interval: int = 2000, fused_lamb: bool = False,
+                 o2: bool = False) -> None:
+        if o2 and precision != "bf16":
+            raise ValueError(f"O2 (bf16 weights, fp32 masters) needs bf16, not {precision}")
         self.model = model.to(device)
         self.device, self.precision, self.accumulation = device, precision, accumulation
-        self.optimizer = Lamb(parameter_groups(model, weight_decay, model.no_decay_names()),
+        self.distributed = distributed
+        # O2: the model in bf16, LAMB on fp32 masters (master.py)
+        self.master = MasterWeights(model, torch.bfloat16) if o2 else None
+        if self.master is not None and distributed:
+            self.master.broadcast()
+        self.optimizer = Lamb(parameter_groups(model, weight_decay, model.no_decay_names(),
+                                               self.master and self.master.by_name()),
                               lr=learning_rate, weight_decay=weight_decay,
-                              max_grad_norm=max_grad_norm)
+                              max_grad_norm=max_grad_norm, fused=fused_lamb)
         self.scheduler = poly_warmup(self.optimizer, total_steps, warmup_proportion)
         # Dynamic loss scaling for fp16: halve on inf/NaN (the step is skipped), double
         # after `growth_interval` clean steps.  A no-op for bf16 and fp32.
@@ -57,7 +67,7 @@ class Trainer:
                                            growth_interval=loss_scale_growth_interval)
         self.ddp: DistributedDataParallel | None = None
         module: torch.nn.Module = self.model
-        if distributed:
+        if distributed and self.master is None:
             self.ddp = DistributedDataParallel(
                 self.model, device_ids=[device.index] if device.type == "cuda" else None,
                 gradient_as_bucket_view=True)
@@ -65,7 +75,8 @@ class Trainer:
         # Compiling the DDP module lets dynamo split graphs at bucket boundaries, so the
         # all-reduce still overlaps the backward pass.
         self.forward_module = torch.compile(module) if compile_model else module
-        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+        self.autocast_dtype = None if o2 else {"bf16": torch.bfloat16,
+                                               "fp16": torch.float16}.get(precision)
 
     @property
     def step_count(self) -> int:
@@ -93,9 +104,13 @@ class Trainer:
                 loss, hits, count = pretraining_loss(mlm_logits, batch.masked_lm_labels,
                                                      nsp_logits, batch.next_sentence_labels)
                 self.scaler.scale(loss / len(micro_batches)).backward()
+            if self.master is not None:
+                self.master.accumulate()
             loss_sum += loss.detach()
             correct += hits
             predicted += count
+        if self.master is not None and self.distributed:
+            self.master.all_reduce()
         skipped = False
         if self.scaler.is_enabled():
             scale_before = self.scaler.get_scale()
@@ -107,8 +122,11 @@ class Trainer:
             self.optimizer.step()
         if not skipped:
             self.scheduler.step()
-        # With bucket views, DDP's gradients must stay allocated: zero them instead.
-        self.optimizer.zero_grad(set_to_none=self.ddp is None)
+        if self.master is not None:
+            self.master.copy_to_model()
+            self.master.zero_grad()  # the gradients are views of its buffers: keep them
+        else:  # with bucket views, DDP's gradients must stay allocated: zero them instead
+            self.optimizer.zero_grad(set_to_none=self.ddp is None)
         return StepStats(loss_sum / len(micro_batches), correct, predicted, skipped)
 
     @property
@@ -116,11 +134,15 @@ class Trainer:
         return self.optimizer.param_groups[0]["lr"]
 
     def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+        model = self.master.state_dict() if self.master is not None else self.model.state_dict()
+        return {"model": model, "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
+        if self.master is not None:
+            self.master.load_state_dict(state["model"])
+        else:
+            self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler.is_enabled() and state.get("scaler"):
