@@ -38,6 +38,7 @@ from imgpipe.registry.ranges import (
     chunk_digests,
     chunks_problem,
     fetch_ranges,
+    own_chunk_size,
 )
 from imgpipe.registry.referrers import attach, referrers, referrers_tag
 from imgpipe.registry.transfer import push_blob, push_bytes, put_manifest
@@ -189,11 +190,12 @@ def publish(client: RegistryClient, repository: str, subject: Manifest, squashfs
     """Push ``squashfs`` (whose digest is ``blob``) as an artifact of ``subject``, with the
     sha256 of each ``chunk_size`` piece (what a ranged fetch checks each range against);
     returns it and whether anything was pushed (False: the same file was published
-    already)."""
+    already).  A file of over MAX_CHUNKS chunks gets larger chunks (registry.ranges)."""
     for existing in find_published(client, repository, subject.digest, compression):
         if existing.blob == blob:
             return existing, False
     size = squashfs.stat().st_size
+    chunk_size = own_chunk_size(size, chunk_size)
     hasher = ChunkHasher(chunk_size)  # fed by the upload's own reads
     if push_blob(client, repository, squashfs, blob, progress, hasher.update):
         chunks = hasher.digests()
@@ -271,12 +273,10 @@ def fetch(client: RegistryClient, storage: Storage, published: PublishedSquashfs
     free = shutil.disk_usage(storage.root).free
     if free < published.size:
         raise NoSpaceError(storage.root, published.size, free)
-    chunk_size, chunks = published.chunk_size or DEFAULT_CHUNK_SIZE, published.chunks
-    if chunks and (problem := chunks_problem(published.size, chunk_size, chunks)):
-        # a pinned blob's size is the registry's own: the list may not fit it
-        say(f"ignored the chunk digests of {published.blob[:19]}: {problem}")
-        chunk_size, chunks = DEFAULT_CHUNK_SIZE, ()
-    if not chunks and connections > 1 and published.size > chunk_size:
+    # fetch_ranges bounds the list, in one line (a pinned blob's size is the registry's
+    # own: the list may not fit it)
+    chunk_size, chunks = published.chunk_size, published.chunks
+    if not chunks and connections > 1 and published.size > DEFAULT_CHUNK_SIZE:
         say(f"published squashfs {published.blob[:19]} has no usable chunk digests: "
             "its ranges are checked by the whole digest alone, so a bad range means the whole "
             "download is redone")

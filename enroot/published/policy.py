@@ -56,19 +56,26 @@ class Fetched:
 
 def _choose(candidates: list[PublishedSquashfs], policy: PublishedPolicy, name: str,
             say: Callable[[str], None]) -> list[PublishedSquashfs]:
-    """The candidates to try, in turn: under pins, one per pinned blob (newest listed first),
-    each with no size but the registry's own (a pusher's second artifact naming the genuine
-    blob with another size must not make the fetch fail); else, where the site opted in,
-    the newest one."""
+    """The candidates to try, in turn: under pins, one per pinned blob (the blob listed
+    newest first), each with no size but the registry's own (a pusher's second artifact
+    naming the genuine blob with another size must not make the fetch fail) and the chunking
+    of the oldest artifact listed for it, the one published before the pin was taken (a
+    pusher's newer one with small chunks made every fetch hundreds of requests); else, where
+    the site opted in, the newest one."""
     if policy.pins:
-        chosen: dict[str, PublishedSquashfs] = {}
-        for candidate in reversed(candidates):
-            if candidate.blob in policy.pins and candidate.blob not in chosen:
-                chosen[candidate.blob] = replace(candidate, size=0)
-        if not chosen:
+        oldest: dict[str, PublishedSquashfs] = {}
+        for candidate in candidates:
+            if candidate.blob in policy.pins:
+                oldest.setdefault(candidate.blob, candidate)
+        newest_first = dict.fromkeys(c.blob for c in reversed(candidates) if c.blob in oldest)
+        for blob in newest_first:
+            if (named := sum(c.blob == blob for c in candidates)) > 1:
+                say(f"{named} artifacts of {name} name pinned squashfs {blob[:19]}: fetching "
+                    f"it by the oldest listed, {oldest[blob].artifact[:19]}")
+        if not oldest:
             say(f"refused published squashfs {', '.join(c.blob for c in candidates)} of "
                 f"{name}: pinned to {', '.join(sorted(policy.pins))}; converting")
-        return list(chosen.values())
+        return [replace(oldest[blob], size=0) for blob in newest_first]
     if policy.unpinned:
         newest = candidates[-1]
         say(f"published squashfs {newest.blob} of {name} is not pinned; using it as "

@@ -28,15 +28,30 @@ from imgpipe.base.directio import ALIGN
 from imgpipe.enroot.cache.storage import Storage
 from imgpipe.enroot.flatten.view import MergedView
 from imgpipe.enroot.published.artifact import (
+    ARTIFACT_TYPE,
+    CHUNK_SIZE,
+    CHUNKS,
+    CREATED,
     PublishedSquashfs,
     fetch,
     find_published,
     publish,
 )
-from imgpipe.enroot.published.policy import PublishedPolicy, fetch_trusted
+from imgpipe.enroot.published.policy import Fetched, PublishedPolicy, fetch_trusted
+from imgpipe.registry import ranges
 from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.errors import DigestMismatchError, RegistryError
-from imgpipe.registry.ranges import chunk_count, fetch_ranges, sidecar_path
+from imgpipe.registry.mediatypes import OCI_MANIFEST
+from imgpipe.registry.ranges import (
+    DEFAULT_CHUNK_SIZE,
+    MIN_CHUNK_SIZE,
+    chunk_count,
+    chunk_digests,
+    fetch_ranges,
+    sidecar_path,
+)
+from imgpipe.registry.referrers import attach, detach, referrers
+from imgpipe.registry.transfer import put_manifest
 from tests import services
 
 pytestmark = pytest.mark.slow
@@ -57,7 +72,8 @@ class Front:
     target: int = 0
     keep: int = 0
     asked: collections.Counter[str] = field(default_factory=collections.Counter)
-    answered: int = 0
+    blob_gets: int = 0  # GETs of a blob, ranged or not
+    answered: int = 0  # ranged answers
     lock: threading.Lock = field(default_factory=threading.Lock)
     server: ThreadingHTTPServer | None = None
 
@@ -85,6 +101,7 @@ def _handler(front: Front) -> type[BaseHTTPRequestHandler]:
             with front.lock:
                 front.asked[asked] += 1
                 seen = front.asked[asked]
+                front.blob_gets += self.command == "GET" and "/blobs/" in self.path
             sent = {"Range": asked} if asked and front.mode != "no-ranges" else {}
             if "Accept" in self.headers:  # manifests are served by what the client accepts
                 sent["Accept"] = ", ".join(self.headers.get_all("Accept") or [])
@@ -104,7 +121,7 @@ def _handler(front: Front) -> type[BaseHTTPRequestHandler]:
             if self.command == "HEAD":
                 return
             with front.lock:
-                front.answered += 1
+                front.answered += bool(asked)
                 broken = (front.mode == "break" and front.answered > front.keep) or (
                     front.mode == "break-once" and seen == 1
                     and asked.startswith(f"bytes={front.target}-"))
@@ -142,24 +159,29 @@ def _sha256(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-def _squashfs(folder: Path) -> Path:
-    """A real squashfs of about 4.5 MB that does not compress (random contents)."""
+def _squashfs(folder: Path, sizes: tuple[int, int] = (3 << 20, (1 << 20) + 12345)) -> Path:
+    """A real squashfs of about 4.5 MB (or ``sizes``) that does not compress (random
+    contents)."""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w") as tar:
-        for name, size in (("a.bin", 3 << 20), ("b.bin", (1 << 20) + 12345)):
+        for name, size in zip(("a.bin", "b.bin"), sizes, strict=True):
             payload = os.urandom(size)
             info = tarfile.TarInfo(name)
             info.size = len(payload)
             tar.addfile(info, io.BytesIO(payload))
     out = folder / "random.sqsh"
     subprocess.run(["tar2sqfs", "--quiet", "--compressor", "zstd", str(out)],
-                   input=buffer.getvalue(), check=True, capture_output=True, timeout=60)
+                   input=buffer.getvalue(), check=True, capture_output=True, timeout=300)
     return out
 
 
 @pytest.fixture
-def blob(registry_server: services.RegistryProcess, tmp_path: Path) -> Blob:
-    """A squashfs published with chunk digests of CHUNK bytes beside a fresh image."""
+def blob(registry_server: services.RegistryProcess, tmp_path: Path,
+         monkeypatch: pytest.MonkeyPatch) -> Blob:
+    """A squashfs published with chunk digests of CHUNK bytes beside a fresh image (the
+    minimum chunk size lowered to CHUNK, so that 4.5 MB are many chunks; the tests of the
+    bounds themselves, at the end, keep the real one)."""
+    monkeypatch.setattr(ranges, "MIN_CHUNK_SIZE", CHUNK)
     session, url = services.plain_session(), registry_server.url
     repository = f"ranges/{tmp_path.name.lower().replace('_', '-')[:40]}"
     digest = services.push_image(session, url, repository, "v1",
@@ -352,3 +374,114 @@ def test_a_plain_registry_answers_ranges_with_206(registry_server: services.Regi
     answer = requests.get(f"{registry_server.url}/v2/{got.repository}/blobs/{got.blob}",
                           headers={"Range": f"bytes={CHUNK}-{2 * CHUNK - 1}"}, timeout=60)
     assert answer.status_code == 206 and answer.content == blob.data[CHUNK:2 * CHUNK]
+
+
+# -- what a pusher's artifact can cost a pinned fetch (issue #53, points 4 and 5) -----------
+# The file is two of the fetch's own 64 MiB chunks, so its genuine artifact is 2 ranges.
+
+@pytest.fixture(scope="module")
+def big_squashfs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real squashfs of about 73 MB: over one default chunk, nine of the minimum."""
+    return _squashfs(tmp_path_factory.mktemp("big"), (40 << 20, (30 << 20) + 12345))
+
+
+def _publish_big(registry_server: services.RegistryProcess, tmp_path: Path, squashfs: Path,
+                 chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[RegistryClient,
+                                                                PublishedSquashfs]:
+    session, url = services.plain_session(), registry_server.url
+    repository = f"ranges/{tmp_path.name.lower().replace('_', '-')[:40]}"
+    digest = services.push_image(session, url, repository, "v1",
+                                 [services.tar_layer({"f": tmp_path.name.encode()})])
+    client = RegistryClient(url)
+    blob = "sha256:" + hashlib.sha256(squashfs.read_bytes()).hexdigest()
+    published, pushed = publish(client, repository, client.manifest(repository, digest),
+                                squashfs, blob, "zstd", 2, chunk_size=chunk_size)
+    assert pushed and published.chunk_size == chunk_size
+    return client, published
+
+
+def _pushers_artifact(client: RegistryClient, genuine: PublishedSquashfs, squashfs: Path,
+                      chunk_size: int | None, first: bool = False) -> str:
+    """A second artifact naming the genuine blob, as anyone who can push may write it: with
+    chunk digests of ``chunk_size`` (every one right) or none; listed after the genuine one
+    (newer) or, the index rewritten, before it."""
+    body = client.manifest_exactly(genuine.repository, genuine.artifact).body
+    notes = {k: v for k, v in body["annotations"].items() if k not in (CHUNK_SIZE, CHUNKS)}
+    notes[CREATED] = "2099-01-01T00:00:00+00:00"
+    if chunk_size is not None:
+        notes |= {CHUNK_SIZE: str(chunk_size),
+                  CHUNKS: ",".join(chunk_digests(squashfs, chunk_size))}
+    raw = json.dumps({**body, "annotations": notes}, sort_keys=True).encode()
+    digest = put_manifest(client, genuine.repository, f"{genuine.tag}.pusher", raw,
+                          OCI_MANIFEST)
+    attach(client, genuine.repository, genuine.subject,
+           {"mediaType": OCI_MANIFEST, "digest": digest, "size": len(raw),
+            "artifactType": ARTIFACT_TYPE})
+    if first:  # attaching the genuine one again lists it last
+        [listed] = [d for d in referrers(client, genuine.repository, genuine.subject)
+                    if d["digest"] == genuine.artifact]
+        attach(client, genuine.repository, genuine.subject, listed)
+    return digest
+
+
+def _fetch_pinned(front: Front, storage: Storage, got: PublishedSquashfs,
+                  said: list[str]) -> Fetched | None:
+    def no_layers() -> MergedView:
+        raise AssertionError("a pinned fetch reads no layers")
+
+    policy = PublishedPolicy(pins=frozenset({got.blob}), range_connections=4)
+    return fetch_trusted(RegistryClient(front.url), storage, got.repository, got.subject,
+                         "zstd", policy, no_layers, said.append, lambda _: lambda _: None)
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["newer", "listed-first"])
+@pytest.mark.parametrize("chunk_size", [64 << 10, MIN_CHUNK_SIZE], ids=["64KiB", "minimum"])
+def test_a_pushers_small_chunks_leave_a_pinned_fetch_a_bounded_number_of_ranges(
+        front: Front, registry_server: services.RegistryProcess, big_squashfs: Path,
+        tmp_path: Path, chunk_size: int, first: bool) -> None:
+    """A second artifact naming the pinned squashfs with small chunks, every digest right,
+    made a fetch 612 requests instead of 2: now the pinned blob's oldest artifact decides
+    the chunking, and no list is taken below MIN_CHUNK_SIZE (one line), whatever order a
+    pusher lists them in."""
+    client, genuine = _publish_big(registry_server, tmp_path, big_squashfs)
+    _pushers_artifact(client, genuine, big_squashfs, chunk_size, first)
+    storage = Storage(tmp_path / "cache")
+    storage.prepare()
+    said: list[str] = []
+    fetched = _fetch_pinned(front, storage, genuine, said)
+    assert fetched is not None, said
+    assert _sha256(fetched.path.read_bytes()) == genuine.blob
+    if not first:  # the genuine (oldest) artifact's own 2 ranges
+        assert front.blob_gets == 2, (front.blob_gets, said)
+    assert front.blob_gets <= chunk_count(genuine.size, MIN_CHUNK_SIZE), said
+    ignored = [line for line in said if "ignored the chunk digests" in line]
+    assert len(ignored) == (chunk_size < MIN_CHUNK_SIZE), said
+
+
+def test_a_record_from_a_chunked_artifact_then_one_without_digests_starts_over(
+        front: Front, registry_server: services.RegistryProcess, big_squashfs: Path,
+        tmp_path: Path) -> None:
+    """A ranged fetch by the artifact's 8 MiB chunks breaks off; the artifact goes and a
+    newer one without chunk digests names the same blob: the record is of another plan, so
+    the fetch starts over in one line (the preallocated length once counted as done: the
+    file failed verification and the job converted)."""
+    client, genuine = _publish_big(registry_server, tmp_path, big_squashfs, MIN_CHUNK_SIZE)
+    storage = Storage(tmp_path / "cache")
+    storage.prepare()
+    said: list[str] = []
+    front.mode, front.keep = "break", 4
+    assert _fetch_pinned(front, storage, genuine, said) is None
+    assert any("broke off" in line for line in said), said
+    partial = storage.partial_download(genuine.blob)
+    record = json.loads(sidecar_path(partial).read_text())  # written at the end, at least
+    assert record["chunk_size"] == MIN_CHUNK_SIZE and len(record["done"]) == 4
+    detach(client, genuine.repository, genuine.subject, {genuine.artifact})
+    _pushers_artifact(client, genuine, big_squashfs, None)
+    front.mode, front.blob_gets, said[:] = "pass", 0, []
+    front.asked.clear()
+    fetched = _fetch_pinned(front, storage, genuine, said)
+    assert fetched is not None, said
+    assert _sha256(fetched.path.read_bytes()) == genuine.blob
+    assert fetched.received == genuine.size and front.ranges() == {0, DEFAULT_CHUNK_SIZE}
+    assert len([line for line in said if "starting over" in line]) == 1, said
+    assert not partial.exists() and not sidecar_path(partial).exists()

@@ -4,12 +4,17 @@ chunks read only from this user's own regular file."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import requests
+from requests.adapters import BaseAdapter
 
 from imgpipe.enroot.cache.storage import STALE_AFTER_S, Storage
 from imgpipe.enroot.published.artifact import (
@@ -17,24 +22,39 @@ from imgpipe.enroot.published.artifact import (
     CHUNK_SIZE,
     CHUNKS,
     SQUASHFS_MEDIA_TYPE,
+    PublishedSquashfs,
     _from_manifest,
 )
+from imgpipe.enroot.published.policy import PublishedPolicy, _choose
+from imgpipe.registry import ranges
+from imgpipe.registry.chunkrecord import (
+    WRITE_EVERY_S,
+    DoneRecord,
+    done_in,
+    list_identity,
+    read_record,
+    sidecar_path,
+)
+from imgpipe.registry.client import REGISTRY_HEADER, RegistryClient
 from imgpipe.registry.manifests import Manifest
 from imgpipe.registry.mediatypes import OCI_MANIFEST
 from imgpipe.registry.ranges import (
+    MAX_CHUNKS,
     MIN_CHUNK_SIZE,
     ChunkHasher,
-    _done_in,
-    _read_sidecar,
-    _write_sidecar,
     chunk_digests,
     chunks_problem,
-    sidecar_path,
+    fetch_ranges,
+    own_chunk_size,
 )
 
 SUBJECT = "sha256:" + "a" * 64
 BLOB = "sha256:" + "b" * 64
 CHUNK = MIN_CHUNK_SIZE
+
+
+def _sha256(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
 def test_chunk_digests_do_not_depend_on_how_the_stream_is_cut(tmp_path: Path) -> None:
@@ -62,8 +82,8 @@ def test_a_20_gb_file_lists_few_enough_digests_for_a_manifest() -> None:
     (3 * CHUNK, CHUNK, ["c" * 64] * 4, "expected 3"),
     (3 * CHUNK, CHUNK, ["c" * 64, "C" * 64, "c" * 64], "64 lowercase hex"),
     (3 * CHUNK, CHUNK, ["c" * 64, "xyz", "c" * 64], "64 lowercase hex"),
-    (3, 1, ["c" * 64] * 3, "outside"),
-    (3 << 40, 2 << 40, ["c" * 64] * 2, "outside"),
+    (3, 1, ["c" * 64] * 3, "below"),
+    (3 << 40, 2 << 40, ["c" * 64] * 2, "above"),
 ])
 def test_an_impossible_chunk_list_is_named(size: int, chunk_size: int, digests: list[str],
                                            why: str) -> None:
@@ -103,24 +123,65 @@ def test_hostile_chunk_annotations_leave_the_whole_digest_alone(notes: dict) -> 
     assert "\n" not in problem
 
 
+def _record(partial: Path, blob: str, size: int, chunk_size: int, done: set[int],
+            identity: str = "") -> DoneRecord:
+    record = DoneRecord(partial, blob, size, chunk_size, identity, done)
+    record.save()
+    return record
+
+
 def test_the_record_of_done_chunks_is_this_users_regular_file(tmp_path: Path) -> None:
     partial = tmp_path / "x.part"
-    _write_sidecar(partial, BLOB, 3 * CHUNK, CHUNK, {0, 2})
+    _record(partial, BLOB, 3 * CHUNK, CHUNK, {0, 2})
     assert os.stat(sidecar_path(partial)).st_mode & 0o777 == 0o600
-    record = _read_sidecar(partial)
-    assert _done_in(record, BLOB, 3 * CHUNK, CHUNK) == {0, 2}
-    assert _done_in(record, BLOB, 3 * CHUNK, 2 * CHUNK) == set()  # another download's
-    assert _done_in(record, SUBJECT, 3 * CHUNK, CHUNK) == set()
+    record = read_record(partial)
+    assert done_in(record, BLOB, 3 * CHUNK, CHUNK, "") == {0, 2}
+    assert done_in(record, BLOB, 3 * CHUNK, 2 * CHUNK, "") is None  # another plan's
+    assert done_in(record, SUBJECT, 3 * CHUNK, CHUNK, "") is None
+    assert done_in(record, BLOB, 3 * CHUNK, CHUNK, list_identity(["e" * 64] * 3)) is None
     sidecar_path(partial).write_text(json.dumps(
         {"blob": BLOB, "size": 3 * CHUNK, "chunk_size": CHUNK, "done": [1, 7, -1, "2"]}))
-    assert _done_in(_read_sidecar(partial), BLOB, 3 * CHUNK, CHUNK) == {1}
+    assert done_in(read_record(partial), BLOB, 3 * CHUNK, CHUNK, "") == {1}
     sidecar_path(partial).unlink()
     (tmp_path / "elsewhere").write_text(json.dumps(record))
     sidecar_path(partial).symlink_to(tmp_path / "elsewhere")  # planted
-    assert _read_sidecar(partial) == {}
+    assert read_record(partial) == {}
     sidecar_path(partial).unlink()
     sidecar_path(partial).write_text("not json")
-    assert _read_sidecar(partial) == {}
+    assert read_record(partial) == {}
+
+
+def test_the_record_is_written_at_most_once_a_second_and_at_the_end(tmp_path: Path) -> None:
+    """Writes counted against a clock the test moves: a record of thousands of chunks is
+    not rewritten after each one."""
+    now = [0.0]
+    partial = tmp_path / "x.part"
+    record = DoneRecord(partial, BLOB, MAX_CHUNKS * CHUNK, CHUNK, "", set(), lambda: now[0])
+    record.save()  # when the download starts
+    for index in range(MAX_CHUNKS // 2):
+        record.add(index)
+        now[0] += WRITE_EVERY_S / 100
+    assert record.writes == 1 + (MAX_CHUNKS // 2) // 100
+    written = done_in(read_record(partial), BLOB, MAX_CHUNKS * CHUNK, CHUNK, "")
+    assert written is not None and len(written) < MAX_CHUNKS // 2  # the rest: not yet
+    for index in range(MAX_CHUNKS // 2, MAX_CHUNKS):
+        record.add(index)  # the clock stands still
+    before = record.writes
+    record.flush()  # when the download stops
+    record.flush()  # nothing new: no write
+    assert record.writes == before + 1
+    assert done_in(read_record(partial), BLOB, MAX_CHUNKS * CHUNK, CHUNK, "") == set(
+        range(MAX_CHUNKS))
+    assert sidecar_path(partial).stat().st_size < 25_000  # every chunk of the cap done
+    record.remove()
+    record.flush()  # removed: not written again
+    assert not sidecar_path(partial).exists()
+
+
+def test_a_huge_file_gets_chunks_few_enough_for_the_cap() -> None:
+    assert own_chunk_size(20 << 30) == 64 << 20
+    huge = own_chunk_size(1 << 40)  # 1 TiB: 16,384 chunks of 64 MiB
+    assert huge % (1 << 20) == 0 and -(-(1 << 40) // huge) <= MAX_CHUNKS
 
 
 def test_a_stale_record_goes_with_its_partial_download(tmp_path: Path) -> None:
@@ -128,12 +189,145 @@ def test_a_stale_record_goes_with_its_partial_download(tmp_path: Path) -> None:
     storage.prepare()
     partial = storage.partial_download(BLOB)
     partial.write_bytes(b"x")
-    _write_sidecar(partial, BLOB, 3 * CHUNK, CHUNK, {0})
+    _record(partial, BLOB, 3 * CHUNK, CHUNK, {0})
     fresh = storage.partial_download(SUBJECT)
-    _write_sidecar(fresh, SUBJECT, 3 * CHUNK, CHUNK, {1})
+    _record(fresh, SUBJECT, 3 * CHUNK, CHUNK, {1})
     old = os.stat(partial).st_mtime - STALE_AFTER_S - 60
     for path in (partial, sidecar_path(partial)):
         os.utime(path, (old, old))
     storage.sweep()
     assert not partial.exists() and not sidecar_path(partial).exists()
     assert sidecar_path(fresh).exists()  # a download resumed within the day keeps its record
+
+
+# -- bounds on what a pusher's chunk list can cost (issue #53, points 4 and 5) ---------------
+
+class OneBlob(BaseAdapter):
+    """Serves one blob as registry:2 does (206 to a range, 200 without one) and notes each
+    Range asked and what the record of done chunks held when it was asked: a stand-in for
+    the pure logic here; tests/e2e/test_ranges.py proves the same against registry:2."""
+
+    def __init__(self, data: bytes, partial: Path) -> None:
+        super().__init__()
+        self.data, self.partial = data, partial
+        self.asked: list[str] = []
+        self.records: list[str] = []
+
+    def send(self, request: requests.PreparedRequest,  # type: ignore[override]
+             **kwargs: object) -> requests.Response:
+        asked = str(request.headers.get("Range") or "")
+        self.asked.append(asked)
+        with contextlib.suppress(OSError):
+            self.records.append(sidecar_path(self.partial).read_text())
+        response = requests.Response()
+        response.request, response.url = request, request.url or ""
+        response.headers[REGISTRY_HEADER] = "registry/2.0"
+        body, response.status_code = self.data, 200
+        if asked:
+            first, _, last = asked.removeprefix("bytes=").partition("-")
+            start, end = int(first), int(last) if last else len(self.data) - 1
+            body, response.status_code = self.data[start:end + 1], 206
+            response.headers["Content-Range"] = f"bytes {start}-{end}/{len(self.data)}"
+        response.headers["Content-Length"] = str(len(body))
+        response.raw = io.BytesIO(body)
+        return response
+
+    def close(self) -> None:
+        pass
+
+
+def _served(data: bytes, partial: Path) -> tuple[RegistryClient, OneBlob]:
+    client = RegistryClient("http://registry.invalid:5000")
+    server = OneBlob(data, partial)
+    client.session.mount("http://", server)
+    return client, server
+
+
+def _digests(data: bytes, chunk_size: int) -> list[str]:
+    return [hashlib.sha256(data[i:i + chunk_size]).hexdigest()
+            for i in range(0, len(data), chunk_size)]
+
+
+def test_a_chunk_list_below_the_minimum_or_over_the_cap_is_refused() -> None:
+    """A pusher's list of 64 KiB chunks, every digest right, made a 40 MB fetch 612
+    requests instead of 2; one at the old 50,000 cap rewrote the record after each."""
+    tiny = chunks_problem(20 << 20, 64 << 10, ["c" * 64] * 320)
+    assert tiny is not None and "below" in tiny
+    assert MIN_CHUNK_SIZE >= 8 << 20
+    assert MAX_CHUNKS <= 4096
+    many = chunks_problem(MAX_CHUNKS * (8 << 20) + 1, 8 << 20, ["c" * 64] * (MAX_CHUNKS + 1))
+    assert many is not None and "at most" in many
+    assert chunks_problem(20 << 30, 8 << 20, ["c" * 64] * 2560) is None  # 20 GiB at 8 MiB
+
+
+def test_published_chunks_below_the_minimum_are_fetched_by_the_default_size(
+        tmp_path: Path) -> None:
+    data = os.urandom((20 << 20) + 123)
+    partial, said = tmp_path / "x.part", list[str]()
+    client, server = _served(data, partial)
+    fetch_ranges(client, "r", _sha256(data), partial, len(data), 64 << 10,
+                 _digests(data, 64 << 10), 4, None, said.append)
+    assert partial.read_bytes() == data
+    assert len(server.asked) <= 2, len(server.asked)  # 321 before
+    assert len(said) == 1 and "ignored the chunk digests" in said[0], said
+
+
+def test_the_record_of_done_chunks_is_not_rewritten_after_every_chunk(tmp_path: Path) -> None:
+    """Counted as the distinct records the server's requests find: at most one write a
+    second (and at the start and end), not one per chunk."""
+    data = os.urandom(300 * 4096)
+    partial = tmp_path / "x.part"
+    client, server = _served(data, partial)
+    fetch_ranges(client, "r", _sha256(data), partial, len(data), 4096, (), 4)
+    assert partial.read_bytes() == data and len(server.asked) == 300
+    assert len(set(server.records)) <= 4, len(set(server.records))  # ~300 before
+
+
+def _planted(partial: Path, data: bytes, chunk_size: int, done: list[int],
+             listed: str = "") -> None:
+    """A broken-off ranged download: the file preallocated, a record of ``done`` chunks."""
+    partial.write_bytes(bytes(len(data)))
+    sidecar_path(partial).write_text(json.dumps(
+        {"blob": _sha256(data), "size": len(data), "chunk_size": chunk_size, "done": done,
+         "list": listed}))
+
+
+def test_a_record_of_another_chunk_size_starts_the_download_over(tmp_path: Path) -> None:
+    """A record from an artifact with chunk digests, then a newer one without: the full
+    preallocated length counted as done, the file failed verification, the job converted."""
+    data = os.urandom(8 * (64 << 10))
+    partial, said = tmp_path / "x.part", list[str]()
+    _planted(partial, data, 32 << 10, [0, 1, 2])
+    client, server = _served(data, partial)
+    fetch_ranges(client, "r", _sha256(data), partial, len(data), 64 << 10, (), 4, None,
+                 said.append)
+    assert partial.read_bytes() == data and len(server.asked) == 8
+    assert len(said) == 1 and "starting over" in said[0], said
+
+
+def test_a_record_made_under_another_chunk_list_starts_the_download_over(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks checked against one list prove nothing under another (same chunk size)."""
+    monkeypatch.setattr(ranges, "MIN_CHUNK_SIZE", 64 << 10)  # 8 chunks in 512 KiB
+    data = os.urandom(8 * (64 << 10))
+    partial, said = tmp_path / "x.part", list[str]()
+    _planted(partial, data, 64 << 10, [0, 1, 2], listed="another list")
+    client, server = _served(data, partial)
+    fetch_ranges(client, "r", _sha256(data), partial, len(data), 64 << 10,
+                 _digests(data, 64 << 10), 4, None, said.append)
+    assert partial.read_bytes() == data and len(server.asked) == 8
+    assert len(said) == 1 and "starting over" in said[0], said
+
+
+def test_a_pinned_blob_is_fetched_by_its_oldest_artifacts_chunking() -> None:
+    """Anyone who can push can name the pinned blob in a newer artifact of their own."""
+    genuine = PublishedSquashfs("r", SUBJECT, "sha256:" + "1" * 64, BLOB, 3 * CHUNK, "zstd",
+                                "f", chunk_size=64 << 20, chunks=("e" * 64,))
+    other = replace(genuine, artifact="sha256:" + "2" * 64, chunk_size=8 << 20,
+                    chunks=("f" * 64,) * 3)
+    newer_blob = replace(genuine, artifact="sha256:" + "3" * 64, blob=SUBJECT)
+    said: list[str] = []
+    policy = PublishedPolicy(pins=frozenset({BLOB, SUBJECT}))
+    chosen = _choose([genuine, other, newer_blob], policy, "r@x", said.append)
+    assert [c.artifact for c in chosen] == [newer_blob.artifact, genuine.artifact]
+    assert chosen[1].chunk_size == 64 << 20 and chosen[1].size == 0
