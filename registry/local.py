@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 from imgpipe.base import process
 from imgpipe.base.config import Settings
+from imgpipe.base.daemon import Daemon, daemon_in_file
 from imgpipe.base.engine import Engine, EngineError
 from imgpipe.base.errors import ImgpipeError
 from imgpipe.base.files import atomic_write
@@ -117,8 +118,14 @@ class LocalRegistry(ServerFiles):
         except EngineError:
             return None
 
+    def _daemon(self) -> Daemon | None:
+        return daemon_in_file(self.pid_file, str(self.config_file))
+
     def _pid(self) -> int | None:
-        return process.pid_in_file(self.pid_file)
+        """The registry's pid, when the process the pid file names is the one imgpipe
+        started with this state folder's config (never another user's or a reused pid)."""
+        found = self._daemon()
+        return found.pid if found is not None and found.ours else None
 
     def state(self) -> ServerState:
         address = self.config.address
@@ -297,7 +304,11 @@ class LocalRegistry(ServerFiles):
                 container.stop(timeout=int(STOP_DEADLINE_S))
                 container.remove()
         elif current.mode == "binary" and current.pid is not None:
-            _terminate(current.pid)
+            found = self._daemon()
+            if found is None:
+                return current
+            found.check_signal(f"the registry of {self.state_dir}")
+            _terminate(found.pid)
             with contextlib.suppress(FileNotFoundError):
                 self.pid_file.unlink()
         return current

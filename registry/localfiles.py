@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
 from imgpipe.base import process
+from imgpipe.base.adminpath import Admins, as_path, only_names, walk_admin_folder
 from imgpipe.base.config import RegistryConfig, Settings
 from imgpipe.base.engine import Engine, EngineError
-from imgpipe.base.files import atomic_write
+from imgpipe.base.files import TMP_PREFIX, atomic_write
 from imgpipe.base.process import which
 from imgpipe.registry.errors import LocalRegistryError
 
@@ -48,8 +49,9 @@ class ServerFiles:
         self.settings = settings
         self.config: RegistryConfig = settings.registry
         server = self.config.server
-        self.state_dir = settings.path(server.state_dir).resolve()
-        self.data_dir = settings.path(server.data_dir).resolve()
+        # as written, never resolved: root walks them without following a link
+        self.state_dir = as_path(settings.path(server.state_dir))
+        self.data_dir = as_path(settings.path(server.data_dir))
         self.tls_cert = settings.path(server.tls_cert).resolve() if server.tls_cert else None
         self.tls_key = settings.path(server.tls_key).resolve() if server.tls_key else None
         self.htpasswd = settings.path(server.htpasswd).resolve() if server.htpasswd else None
@@ -119,8 +121,24 @@ class ServerFiles:
                 hint="set registry.server.tls_cert and tls_key",
             )
 
+    def walk_as_root(self) -> None:
+        """As root: the state and data folders walked from / without following a link, made
+        where missing (the data folder 0700: it holds every image, private ones too), and
+        adopted only when root made them and they hold only the registry's own files."""
+        if os.geteuid() != 0:
+            return
+        admins = Admins.of()
+        state_names = STATE_NAMES | ({self.data_dir.name}
+                                     if self.data_dir.parent == self.state_dir else set())
+        for folder, mode, names, what in (
+                (self.state_dir, 0o755, state_names, "a registry's state folder"),
+                (self.data_dir, 0o700, DATA_NAMES, "a registry's data folder")):
+            walk_admin_folder(folder, admins, create_mode=mode, refuse=_refuse, what=what,
+                              adopt=_names_of(names, what))
+
     def prepare_dirs(self) -> list[Path]:
         """Create state and data directories; returns the ones created (for undo)."""
+        self.walk_as_root()
         created: list[Path] = []
         for directory in (self.state_dir, self.data_dir):
             missing = []
@@ -145,6 +163,21 @@ class ServerFiles:
                 ) from exc
             created.extend(missing)
         return created
+
+
+STATE_NAMES = frozenset({"config.yml", "registry.pid", "registry.log"})
+DATA_NAMES = frozenset({"docker"})  # distribution's storage: docker/registry/v2/...
+
+
+def _refuse(what: str, hint: str) -> LocalRegistryError:
+    return LocalRegistryError(what, hint=hint)
+
+
+def _names_of(allowed: Collection[str], what: str) -> Callable[[list[str]], str | None]:
+    def rule(names: list[str]) -> str | None:
+        return only_names(allowed, what)([name for name in names
+                                          if not name.startswith((TMP_PREFIX, ".imgpipe-"))])
+    return rule
 
 
 def collect_garbage(files: ServerFiles, mode: Mode, delete_untagged: bool,

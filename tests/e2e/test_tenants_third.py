@@ -367,3 +367,35 @@ def test_take_keeps_a_verified_copy_when_another_user_planted_its_entry_name(
     got = _import_as(accounts, ALICE, config, "get", uri)
     assert got.returncode == 0 and got.stdout.strip() == str(path), got.stderr
     assert entry.read_text() == "planted\n"
+
+
+def test_root_never_starts_the_registry_on_folders_a_user_prepared(accounts, victim,
+                                                                   bobs_process) -> None:
+    """threat-model: "the registry ... root's up and down walk its folders".  Root's
+    `registry up` (binary) with its state or data folder where bob prepared it (his own
+    folder holding a pid file naming his process, or a link to root's folder) refuses in one
+    line; root's folder keeps owner, mode and bytes; bob's process lives."""
+    folder, _ = victim
+    scratch = shared_folder("imgpipe-scratch-")
+    scratch.chmod(0o1777)
+    before = _snapshot(folder)
+    done = _shell_as(BOB, f"mkdir -m 777 {scratch}/state && "
+                     f"echo {bobs_process} > {scratch}/state/registry.pid && "
+                     f"ln -s {folder} {scratch}/data")
+    assert done.returncode == 0, done.stderr
+    bob = f"uid {accounts['uid'][BOB]} ({BOB})"
+    for state, data, refusal in (
+            (scratch / "state", scratch / "mine", f"{scratch}/state was made by {bob}"),
+            (scratch / "root-state", scratch / "data", f"{scratch}/data is a symbolic link")):
+        config = scratch / f"{state.name}-{data.name}.yaml"
+        config.write_text(yaml.safe_dump({"registry": {
+            "port": services.free_port(),
+            "server": {"mode": "binary", "state_dir": str(state), "data_dir": str(data)}}}))
+        for command in ("up", "down"):
+            done = _as_root(config, "registry", command)
+            if command == "up":
+                assert refusal in _one_line(done)
+            else:
+                assert "Traceback" not in done.stderr
+    assert _snapshot(folder) == before and _alive(bobs_process)
+    shutil.rmtree(scratch)
