@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from imgpipe.base.adminpath import Admins, walk_admin_folder
 from imgpipe.base.config import SITE_CONFIG, Settings
 from imgpipe.base.errors import ConfigError
 from imgpipe.base.files import atomic_write
@@ -184,6 +185,7 @@ def apply_node(settings: Settings, root: Path = Path("/"), site_config: Path | N
         if finding.verdict not in ("missing", "differs"):
             continue
         target = _under(root, finding.file)
+        _walk(target.parent)
         if finding.file == str(SITE_CONFIG) and site_config is not None:
             done += _replace(root, target, site_config.read_bytes(), stamp, 0o644)
         elif finding.file == importer_path():
@@ -203,13 +205,21 @@ def apply_node(settings: Settings, root: Path = Path("/"), site_config: Path | N
     return done
 
 
+def _walk(folder: Path, mode: int = 0o755) -> None:
+    """As root, a folder written in: walked from / without following a link, every folder
+    on the way root's and closed to others (imgpipe.base.adminpath); made where missing."""
+    if os.geteuid() == 0:
+        walk_admin_folder(folder, Admins.of(), create_mode=mode, adopt=lambda names: None,
+                          refuse=lambda what, hint: ConfigError(what, hint=hint))
+
+
 def _replace(root: Path, path: Path, data: bytes, stamp: str, mode: int) -> list[str]:
     """Write ``path``, keeping what was there under /var/lib/imgpipe/backups/STAMP/ (never
     beside it: plugstack.conf includes every file of its folder)."""
     said = []
     if path.exists():
         backup = _under(root, BACKUPS) / stamp / path.relative_to(root)
-        backup.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        _walk(backup.parent, 0o700)
         shutil.copy2(path, backup)
         said.append(f"kept {path} as {backup}")
     atomic_write(path, data, mode=mode)

@@ -10,11 +10,13 @@ reads them with before anything is written, and an existing file is never overwr
 from __future__ import annotations
 
 import datetime as dt
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
+from imgpipe.base.adminpath import Admins, walk_admin_folder
 from imgpipe.base.config import SITE_CONFIG, parse_settings
 from imgpipe.base.errors import ConfigError
 from imgpipe.base.files import atomic_write
@@ -112,10 +114,19 @@ def init_site(answers: SiteAnswers) -> list[Path]:
         if path.exists() and not answers.overwrite:
             raise ConfigError(f"{path} exists already, with other values",
                               hint="edit it, or pass --force")
-    staged = config.with_name(f".{config.name}.check")
-    staged.parent.mkdir(parents=True, exist_ok=True)
+    for folder in (config.parent, profile_path.parent):
+        if os.geteuid() == 0:  # never through a link, never below a user's folder
+            walk_admin_folder(folder, Admins.of(), create_mode=0o755, adopt=lambda names: None,
+                              refuse=lambda what, hint: ConfigError(what, hint=hint))
+        else:
+            folder.mkdir(parents=True, exist_ok=True)
+    import tempfile
+
+    fd, name = tempfile.mkstemp(prefix=f".{config.name}.", suffix=".check", dir=config.parent)
+    staged = Path(name)  # made exclusively under a name nobody can guess, then removed
     try:
-        staged.write_text(text)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
         parse_settings(staged)  # the same model every command reads it with
     finally:
         staged.unlink(missing_ok=True)

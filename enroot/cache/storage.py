@@ -405,7 +405,7 @@ class Storage:
         if not stat.S_ISDIR(info.st_mode) or info.st_uid != self.trust.me:
             return 0
         removed = 0
-        # a ranged download's record of its done chunks (registry.ranges) goes with it
+        # a ranged download's record of its done chunks (registry.chunkrecord) goes with it
         for path in [*folder.glob("*.part"), *folder.glob("*.part.chunks")]:
             with contextlib.suppress(FileNotFoundError):
                 if now - path.lstat().st_mtime > STALE_AFTER_S:

@@ -291,9 +291,10 @@ def test_bad_input_is_one_line(cli, registry, state_dir, monkeypatch) -> None:
 
 def test_a_registry_with_a_login_decides_on_every_miss(cli, state_dir, tmp_path_factory,
                                                        tmp_path, capsys) -> None:
-    """Token auth through the cache: the client's Authorization reaches the registry on
-    every read and is never stored; a 401 is not cached; and what is cached is served only
-    to a client the registry would serve (no login, or another repository's name: 401)."""
+    """threat-model: "a cached blob is served only to a client the registry would serve".
+    Token auth through the cache: the client's Authorization reaches the registry on every
+    read and is never stored; a 401 is not cached; no login, or another repository's name,
+    reads nothing cached (401)."""
     from imgpipe.registry.auth import Credentials
     from imgpipe.registry.client import RegistryClient
     from imgpipe.registry.errors import AuthError

@@ -131,7 +131,7 @@ def _alive(pid: int) -> bool:
 
 def test_root_never_starts_the_blob_cache_on_a_folder_a_user_prepared(
         accounts, upstream, victim, bobs_process) -> None:
-    """threat-model: "the blob cache ... root's up and down walk its state folder".
+    """threat-model: "root's `up`/`down` walk the state folder".
     In a scratch folder every user may write (1777, as /var/tmp is), bob prepares the state
     folder: his own, with `tmp` linked to root's folder, `access.log` linked to root's
     shadow and `nginx.pid` naming his process; or the state path itself a link to root's
@@ -162,7 +162,8 @@ def test_root_never_starts_the_blob_cache_on_a_folder_a_user_prepared(
 
 
 def test_root_signals_only_the_nginx_it_started(accounts, upstream, bobs_process) -> None:
-    """A pid file in root's own state folder that names another process (a reused pid, or
+    """threat-model: "`down` signals only the nginx it started".
+    A pid file in root's own state folder that names another process (a reused pid, or
     one planted before the folder was root's): `down` refuses in one line, signals
     nothing; `up` does not take it for a running cache and starts one."""
     state = shared_folder("imgpipe-state-")
@@ -182,7 +183,8 @@ def test_root_signals_only_the_nginx_it_started(accounts, upstream, bobs_process
 
 
 def test_logs_and_cached_blobs_are_root_and_the_workers_alone(accounts, upstream) -> None:
-    """threat-model: "the blob cache ... its logs and cached blobs". Another user's `down`
+    """threat-model: "logs and cached blobs: root and the workers' account alone".
+    Another user's `down`
     is one line and stops nothing; the access log (repositories and digests) is 0600 root's,
     the cached blobs 0700 the workers'; bob reads neither."""
     state = shared_folder("imgpipe-state-")
@@ -225,7 +227,8 @@ def _deep_folder_as(site, user: str, path: Path, depth: int = 3000) -> None:
 
 
 def test_a_deep_folder_another_user_made_stops_nobodys_sweep(site, registry_server) -> None:
-    """threat-model: "the squashfs cache ... availability".  Bob makes folders 3,000 levels
+    """threat-model: "another user's files never fail a `get`".
+    Bob makes folders 3,000 levels
     deep named like orphaned work areas (a dead process's `~host~pid~start`, and a digest's
     `<hex>.x`) in the shared cache's tmp: alice's cold `get` (which sweeps, and cleans the
     digest's leftovers) converts as ever, and bob's folders are his to keep."""
@@ -299,7 +302,8 @@ def _import_as(accounts, user: str, config: Path, *argv: str
 
 def test_a_private_images_bytes_are_kept_for_the_user_who_pulled_it(accounts,
                                                                     private_site) -> None:
-    """threat-model: "the squashfs cache ... who reads".  Alice pulls an image from a
+    """threat-model: "a private image's squashfs and blobs: its puller's alone".
+    Alice pulls an image from a
     registry that asks for a login: its squashfs and blobs lie in her own 0700 folder, 0600,
     nothing at a shared name.  Bob, without the login, gets nothing from the cache for the
     same pinned digest (the registry's one line) and cannot read her files."""
@@ -332,7 +336,8 @@ def test_a_private_images_bytes_are_kept_for_the_user_who_pulled_it(accounts,
 
 def test_take_keeps_a_verified_copy_when_another_user_planted_its_entry_name(
         accounts, upstream) -> None:
-    """threat-model: "node-local copies ... availability".  Bob plants a file at alice's own
+    """threat-model: "a planted entry name: the copy is kept in the user's own folder".
+    Bob plants a file at alice's own
     entry name in the shared cache (sticky: she cannot remove it): alice's `take` of her
     verified sbcast copy says so in one line and keeps the copy in her own folder, where
     the importer's `get` finds it; nothing is fetched again and the job starts."""
@@ -371,7 +376,8 @@ def test_take_keeps_a_verified_copy_when_another_user_planted_its_entry_name(
 
 def test_root_never_starts_the_registry_on_folders_a_user_prepared(accounts, victim,
                                                                    bobs_process) -> None:
-    """threat-model: "the registry ... root's up and down walk its folders".  Root's
+    """threat-model: "root's `up`/`down` walk the state and data folders".
+    Root's
     `registry up` (binary) with its state or data folder where bob prepared it (his own
     folder holding a pid file naming his process, or a link to root's folder) refuses in one
     line; root's folder keeps owner, mode and bytes; bob's process lives."""
