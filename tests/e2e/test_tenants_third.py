@@ -405,3 +405,39 @@ def test_root_never_starts_the_registry_on_folders_a_user_prepared(accounts, vic
                 assert "Traceback" not in done.stderr
     assert _snapshot(folder) == before and _alive(bobs_process)
     shutil.rmtree(scratch)
+
+
+def test_root_site_init_and_node_config_never_write_through_a_users_folder(accounts,
+                                                                           victim) -> None:
+    """threat-model: "Every such path takes the same walk".
+    Root's `site init --config` and `node-config --apply --root` on paths where bob made a
+    folder or planted a link to root's folder: each refused in one line, root's folder and
+    file keep owner, mode and bytes."""
+    from tests.nodeimage import node_image
+
+    folder, _ = victim
+    scratch = shared_folder("imgpipe-scratch-")
+    scratch.chmod(0o1777)
+    node = scratch / "node"
+    node_image(node, {"etc/slurm/plugstack.conf": "include /etc/slurm/plugstack.conf.d/*\n"},
+               "usr/local/lib/slurm/spank_pyxis.so")
+    (node / "etc").chmod(0o1777)  # a node image's folder every user may write in
+    before = _snapshot(folder)
+    done = _shell_as(BOB, f"mkdir -m 777 {scratch}/bobs && ln -s {folder} {scratch}/linked "
+                     f"&& ln -s {folder} {node}/etc/imgpipe")
+    assert done.returncode == 0, done.stderr
+    bob = f"uid {accounts['uid'][BOB]} ({BOB})"
+    site = ["site", "init", "--registry", "head:5000", "--plain-http", "--squashfs-dir", "/x",
+            "--partition", "gpu", "--data-root", "/x", "--hcas", "mlx5_0"]
+    for config, refusal in ((scratch / "bobs" / "imgpipe.yaml",
+                             f"{scratch}/bobs was made by {bob}"),
+                            (scratch / "linked" / "imgpipe.yaml",
+                             f"{scratch}/linked is a symbolic link")):
+        assert refusal in _one_line(_as_root(config, *site, "--config", str(config)))
+    site_config = scratch / "site.yaml"
+    site_config.write_text(yaml.safe_dump({"registry": {"host": "head"}}))
+    line = _one_line(_as_root(site_config, "node-config", "--apply", "--root", str(node),
+                              "--site-config", str(site_config)))
+    assert f"{node}/etc/imgpipe is a symbolic link" in line, line
+    assert _snapshot(folder) == before
+    shutil.rmtree(scratch)
