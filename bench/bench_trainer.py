@@ -1,142 +1,361 @@
-"""BERT-Large pre-training throughput (sequences/s, MFU) at the phase 1 and phase 2 shapes.
+"""BERT-Large pre-training throughput: imgpipe against Hugging Face, same run, same batches.
 
-Runs the trainer's real optimizer step (``bert_trainer.trainer.Trainer``: LAMB,
-schedule, loss, accumulation) on generated batches already on the GPU, so the
-number is the model's speed, not the file system's.  Two configurations side by
-side, same model, same batch:
+Per phase (1: 128 tokens, 20 predictions, micro-batch 256; 2: 512, 80, 32), per kind of
+lengths, per implementation, the same micro-batches already on the device:
 
-- baseline: fp32 with TF32 off, eager (what a plain PyTorch port does);
-- imgpipe:  bf16 autocast (fp16 with loss scaling on GPUs without bf16),
-            torch.compile, SDPA flash/memory-efficient attention.
+- imgpipe: the trainer's real step (``bert_trainer.trainer.Trainer``: LAMB, schedule,
+  loss), bf16, torch.compile, unpadded encoder, O2 (bf16 weights, fp32 masters), fused
+  LAMB; ``--before`` adds the padded, autocast, unfused configuration it replaced;
+- hf-eager / hf-compiled: ``transformers.BertForPreTraining`` (attn_implementation="sdpa",
+  bf16 autocast, fused AdamW, gradient clipping at 1.0 as its Trainer does), eager and
+  under torch.compile, labels at the masked slots.
 
-Goal on one H100 in bf16: >= 1300 sequences/s at phase 1 (about 40% MFU) and
->= 300 at phase 2.  Without a GPU it prints that it skipped, unless --tiny asks
-for a small CPU run that checks the script itself.
+Lengths: ``generated`` (bert_trainer.synthetic: 10% short rows) and ``real``: a length
+histogram shaped to published Wikipedia statistics, not a corpus: at 512 tokens about 254
+real tokens per sequence (NVIDIA's MLPerf packing statistics; Graphcore, arXiv 2107.02027:
+more than half of phase 2 is padding); at 128 the reference recipe's own rule (short-sequence
+probability 0.1, the rest full).  Its mean is printed.
 
-    .venv/bin/python bench/bench_trainer.py [--phases 1,2] [--steps 20] [--json OUT]
-    .venv/bin/python bench/bench_trainer.py --tiny          # CPU smoke run
+Rates count real (non-padding) tokens: sequences/s, real tokens/s, and TFLOP/s and MFU from
+the matmul FLOPs of the real tokens alone (``BertConfig.training_flops_per_sequence`` at each
+sequence's length), so padding a model computes earns it nothing.  Rows at accumulation 1
+and at the shipped configs' accumulation on one 8-GPU node (phase 1: 32 micro-batches,
+phase 2: 128) go to ``--out`` as they come.  ``--profile FILE`` adds, per phase and
+implementation, a kernel-time summary (matmul / elementwise / optimizer / attention /
+other; bench/trainer_kernels.py).  Without a GPU it says it skipped, unless ``--tiny``
+asks for a small CPU run that checks the script itself (Hugging Face rows are left out,
+with a line saying so, where transformers is not installed).
+
+    python bench/bench_trainer.py [--phases 1,2] [--steps 10] [--deadline 420]
+    python bench/bench_trainer.py --tiny --out /tmp/trainer-cpu.json      # CPU smoke run
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
+import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
-from bert_trainer.config import TINY, BertConfig
-from bert_trainer.data import KEYS, Position, to_batch
-from bert_trainer.metrics import peak_tflops
-from bert_trainer.model import BertForPreTraining
-from bert_trainer.synthetic import instances
-from bert_trainer.trainer import Trainer, default_precision
 
-# Micro-batches for BERT-Large on an 80 GB GPU (the scaling table's 80 GB row).
-SHAPES = {1: {"seq_len": 128, "max_pred": 20, "micro_batch": 256},
-          2: {"seq_len": 512, "max_pred": 80, "micro_batch": 32}}
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "images" / "bert" / "trainer"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bert_trainer.config import TINY, BertConfig  # noqa: E402
+from bert_trainer.data import KEYS, Batch, Position, to_batch  # noqa: E402
+from bert_trainer.metrics import peak_tflops  # noqa: E402
+from bert_trainer.model import IGNORE, BertForPreTraining  # noqa: E402
+from bert_trainer.synthetic import instances  # noqa: E402
+from bert_trainer.trainer import Trainer  # noqa: E402
+from trainer_kernels import OPTIMIZER_RANGE, profile_steps  # noqa: E402
+
+# Micro-batches for BERT-Large on an 80 GB GPU, and the shipped accumulation on one 8-GPU
+# node (global batch 65536 / 8 GPUs / 256; 32768 / 8 / 32).
+SHAPES = {1: {"seq_len": 128, "max_pred": 20, "micro_batch": 256, "accumulation": 32},
+          2: {"seq_len": 512, "max_pred": 80, "micro_batch": 32, "accumulation": 128}}
+TINY_SHAPES = {1: {"seq_len": 32, "max_pred": 5, "micro_batch": 4, "accumulation": 2},
+               2: {"seq_len": 64, "max_pred": 10, "micro_batch": 2, "accumulation": 4}}
+POOL = 4  # distinct micro-batches per shape, cycled
 
 
-def batches(config: BertConfig, count: int, size: int, seq_len: int, max_pred: int,
-            device: torch.device) -> list:
-    made = instances(count * size, seq_len, max_pred, config.vocab_size,
-                     np.random.default_rng(0))
+def real_lengths(count: int, seq_len: int, rng: np.random.Generator) -> np.ndarray:
+    """Sequence lengths shaped to Wikipedia's: at 512 a fifth full, the rest drawn from a
+    Beta(1.1, 2) over [8, 512) (mean about 254); at 128 the recipe's short-sequence rule."""
+    if seq_len >= 512:
+        full = rng.random(count) < 0.2
+        drawn = 8 + ((seq_len - 8) * rng.beta(1.1, 2.0, count)).astype(int)
+        return np.where(full, seq_len, drawn)
+    short = rng.random(count) < 0.1
+    return np.where(short, rng.integers(8, seq_len + 1, count), seq_len)
+
+
+def make_batches(config: BertConfig, shape: dict, lengths: str,
+                 device: torch.device) -> list[Batch]:
+    size, seq, pred = shape["micro_batch"], shape["seq_len"], shape["max_pred"]
+    rng = np.random.default_rng(0)
+    made = instances(POOL * size, seq, pred, config.vocab_size, rng)
     arrays = {key: getattr(made, key) for key in KEYS}
+    if lengths == "real":  # cut each row to its drawn length: [CLS] ... [SEP] [PAD]...
+        for row, length in enumerate(real_lengths(POOL * size, seq, rng)):
+            arrays["input_ids"][row, length:] = 0
+            arrays["input_ids"][row, length - 1] = 3
+            arrays["input_mask"][row, length:] = 0
+            arrays["segment_ids"][row, length:] = 0
+            keep = (arrays["masked_lm_positions"][row] < length - 1)
+            keep = np.cumprod(keep & (arrays["masked_lm_positions"][row] > 0)).astype(bool)
+            arrays["masked_lm_positions"][row][~keep] = 0
+            arrays["masked_lm_ids"][row][~keep] = 0
     return [to_batch([{k: v[i * size:(i + 1) * size] for k, v in arrays.items()}],
-                     Position()).to(device) for i in range(count)]
+                     Position()).to(device) for i in range(POOL)]
 
 
-def measure(config: BertConfig, device: torch.device, precision: str, tf32: bool,
-            compile_model: bool, shape: dict, steps: int, warmup: int) -> dict:
-    torch.backends.cuda.matmul.allow_tf32 = tf32
-    torch.backends.cudnn.allow_tf32 = tf32
+def real_work(config: BertConfig, batches: list[Batch], max_pred: int) -> tuple[float, float]:
+    """Mean real tokens and mean real-token matmul FLOPs per sequence of ``batches``."""
+    lengths = torch.cat([b.input_mask.sum(1).cpu() for b in batches]).tolist()
+    flops = [config.training_flops_per_sequence(int(n), max_pred) for n in lengths]
+    return sum(lengths) / len(lengths), sum(flops) / len(flops)
+
+
+def imgpipe_step(config: BertConfig, device: torch.device, before: bool,
+                 compiled: bool) -> Callable[[list[Batch]], None]:
     torch.manual_seed(0)
-    trainer = Trainer(BertForPreTraining(config), device, precision, 1e-3, 0.1,
-                      steps + warmup, 1, compile_model=compile_model)
-    data = batches(config, 4, shape["micro_batch"], shape["seq_len"], shape["max_pred"], device)
+    model = BertForPreTraining(config, unpadded=not before)
+    o2 = not before and (device.type == "cpu" or torch.cuda.is_bf16_supported())
+    trainer = Trainer(model, device, "bf16", 1e-4, 0.1, 10**6, 1, compile_model=compiled,
+                      fused_lamb=compiled and not before, o2=o2)
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    def step(micro: list[Batch]) -> None:
+        trainer.step(micro)
 
-    for i in range(warmup):  # compilation and allocator warm-up
-        trainer.step([data[i % len(data)]])
-    sync()
+    return step
+
+
+def hf_step(config: BertConfig, device: torch.device,
+            compiled: bool) -> Callable[[list[Batch]], None]:
+    import transformers
+
+    torch.manual_seed(0)
+    hf_config = transformers.BertConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        intermediate_size=config.intermediate_size, hidden_act=config.hidden_act,
+        max_position_embeddings=config.max_position_embeddings,
+        hidden_dropout_prob=config.hidden_dropout_prob,
+        attention_probs_dropout_prob=config.attention_probs_dropout_prob,
+        attn_implementation="sdpa")
+    model = transformers.BertForPreTraining(hf_config).to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01,
+                                  fused=device.type == "cuda")
+    forward = torch.compile(model) if compiled else model
+
+    def step(micro: list[Batch]) -> None:
+        for batch in micro:
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                out = forward(input_ids=batch.input_ids, attention_mask=batch.input_mask,
+                              token_type_ids=batch.segment_ids, labels=hf_labels(batch),
+                              next_sentence_label=batch.next_sentence_labels)
+            (out.loss / len(micro)).backward()
+        with torch.profiler.record_function(OPTIMIZER_RANGE):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def hf_labels(batch: Batch) -> torch.Tensor:
+    """[B, S] labels: the masked slots' ids at their positions, IGNORE elsewhere."""
+    # unused slots point at position 0 ([CLS], never masked) and carry IGNORE themselves
+    labels = torch.full_like(batch.input_ids, IGNORE)
+    return labels.scatter(1, batch.masked_lm_positions, batch.masked_lm_labels)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(step: Callable[[list[Batch]], None], batches: list[Batch], accumulation: int,
+          steps: int, device: torch.device) -> tuple[float, float | None]:
+    """Seconds per optimizer step, peak memory (GiB) over those steps."""
+    sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     started = time.perf_counter()
     for i in range(steps):
-        stats = trainer.step([data[i % len(data)]])
-    loss = float(stats.loss)  # synchronizes
-    sync()
-    seconds = time.perf_counter() - started
-    sequences = steps * shape["micro_batch"] / seconds
-    flops = config.training_flops_per_sequence(shape["seq_len"], shape["max_pred"])
-    peak = peak_tflops(device, precision, None)
-    result = {"precision": precision, "compile": compile_model,
-              "micro_batch": shape["micro_batch"], "sequences_per_s": round(sequences, 1),
-              "tflops_per_s": round(sequences * flops / 1e12, 1),
-              "mfu": round(sequences * flops / 1e12 / peak, 3) if peak else None,
-              "loss": round(loss, 3)}
-    if device.type == "cuda":
-        result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 1)
-    del trainer, data
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return result
+        step([batches[(i * accumulation + j) % len(batches)] for j in range(accumulation)])
+    sync(device)
+    seconds = (time.perf_counter() - started) / steps
+    peak = (torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda"
+            else None)
+    return seconds, peak
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+class Results:
+    """The JSON file, rewritten whole (temporary name, then rename) after every row."""
+
+    def __init__(self, path: Path | None, header: dict[str, Any]) -> None:
+        self.path, self.data = path, {**header, "rows": [], "profiles": []}
+
+    def add(self, key: str, item: dict[str, Any]) -> None:
+        self.data[key].append(item)
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+            partial.write_text(json.dumps(self.data, indent=1) + "\n")
+            os.replace(partial, self.path)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--phases", default="1,2")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--micro-batch", type=int, default=None,
-                        help="override the per-phase micro-batch (e.g. for a smaller GPU)")
-    parser.add_argument("--no-baseline", action="store_true")
-    parser.add_argument("--tiny", action="store_true",
+    parser.add_argument("--lengths", default="generated,real")
+    parser.add_argument("--impls", default="imgpipe,hf-eager,hf-compiled")
+    parser.add_argument("--before", action="store_true",
+                        help="also imgpipe padded + autocast + unfused LAMB (what it replaced)")
+    parser.add_argument("--accumulation", default="1,shipped",
+                        help="accumulation counts: numbers, or 'shipped' (32 / 128)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps at accumulation 1")
+    parser.add_argument("--shipped-steps", type=int, default=2,
+                        help="timed steps at a larger accumulation")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--micro-batch", type=int, default=None)
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="seconds: start no new measurement after this")
+    parser.add_argument("--tiny", "--cpu", dest="tiny", action="store_true",
                         help="a tiny BERT on the CPU: checks the script, measures nothing real")
-    parser.add_argument("--json", type=Path, default=None, help="also write results here")
-    args = parser.parse_args()
-    if not torch.cuda.is_available() and not args.tiny:
+    parser.add_argument("--out", type=Path, default=None,
+                        help="rows as they come (default bench/results/trainer-gpu.json on "
+                        "a GPU, nothing with --tiny)")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="kernel-share summaries, per phase and implementation")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    gpu = torch.cuda.is_available() and not args.tiny
+    if not gpu and not args.tiny:
         print("bench_trainer: no GPU here: skipped (--tiny runs a CPU smoke test)")
         return 0
-    device = torch.device("cuda", 0) if torch.cuda.is_available() and not args.tiny \
-        else torch.device("cpu")
-    config = BertConfig(**{**json.loads(TINY.to_json()), "max_position_embeddings": 512}) \
-        if args.tiny else BertConfig()
-    fast = default_precision(device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"device: {name}; model: {'tiny' if args.tiny else 'BERT-Large'}; "
-          f"torch {torch.__version__}")
-    print(f"{'phase':>5} {'config':<22} {'micro':>5} {'seq/s':>9} {'TFLOP/s':>8} {'MFU':>6} "
-          f"{'ratio':>6}")
-    results = []
+    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    if gpu:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    config = (BertConfig(**{**TINY.__dict__, "max_position_embeddings": 128}) if args.tiny
+              else BertConfig())
+    shapes = TINY_SHAPES if args.tiny else SHAPES
+    impls = args.impls.split(",")
+    try:
+        import transformers
+        hf_version: str | None = transformers.__version__
+    except ImportError:
+        hf_version = None
+        print("transformers is not installed: the hf-eager and hf-compiled rows are skipped")
+        impls = [i for i in impls if not i.startswith("hf")]
+    name = torch.cuda.get_device_name(device) if gpu else "cpu"
+    out = args.out or (ROOT / "bench" / "results" / "trainer-gpu.json" if gpu else None)
+    results = Results(out, {"device": name, "torch": torch.__version__,
+                            "transformers": hf_version,
+                            "model": "tiny" if args.tiny else "BERT-Large",
+                            "precision": "bf16"})
+    profiles = Results(args.profile, {"device": name, "torch": torch.__version__})
+    print(f"device: {name}; model: {results.data['model']}; torch {torch.__version__}; "
+          f"transformers {hf_version}")
+    print(f"{'phase':>5} {'impl':<12} {'lengths':<9} {'micro':>5} {'acc':>4} {'seq/s':>9} "
+          f"{'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'GiB':>6} {'vs hf-c':>7}", flush=True)
+    started = time.perf_counter()
     for phase in (int(p) for p in args.phases.split(",")):
-        shape = dict(SHAPES[phase])
-        if args.micro_batch or args.tiny:
-            shape["micro_batch"] = args.micro_batch or 8
-        runs = []
-        if not args.no_baseline:
-            runs.append(("baseline fp32 eager", "fp32", False, False))
-        compiled = device.type == "cuda"
-        runs.append((f"imgpipe {fast}{' compiled' if compiled else ''}", fast, True, compiled))
-        base = None
-        for label, precision, tf32, compile_model in runs:
-            out = measure(config, device, precision, tf32, compile_model, shape, args.steps,
-                          args.warmup)
-            base = base or out["sequences_per_s"]
-            ratio = out["sequences_per_s"] / base
-            mfu = f"{out['mfu']:.1%}" if out["mfu"] is not None else "-"
-            print(f"{phase:>5} {label:<22} {shape['micro_batch']:>5} "
-                  f"{out['sequences_per_s']:>9.1f} {out['tflops_per_s']:>8.1f} {mfu:>6} "
-                  f"{ratio:>5.2f}x", flush=True)
-            results.append({"phase": phase, "label": label, **out, "ratio": round(ratio, 3)})
-    if args.json:
-        args.json.write_text(json.dumps({"device": name, "results": results}, indent=2))
+        shape = dict(shapes[phase])
+        if args.micro_batch:
+            shape["micro_batch"] = args.micro_batch
+        run_phase(args, phase, shape, impls, config, device, results, profiles, started)
+    if out is not None:
+        print(f"rows: {out}")
     return 0
+
+
+def run_phase(args: argparse.Namespace, phase: int, shape: dict, impls: list[str],
+              config: BertConfig, device: torch.device, results: Results, profiles: Results,
+              started: float) -> None:
+    accumulations = [shape["accumulation"] if a == "shipped" else int(a)
+                     for a in args.accumulation.split(",")]
+    data = {kind: make_batches(config, shape, kind, device) for kind in args.lengths.split(",")}
+    for kind, batches in data.items():
+        mean, _ = real_work(config, batches, shape["max_pred"])
+        print(f"phase {phase}, {kind} lengths: mean {mean:.1f} real tokens of "
+              f"{shape['seq_len']}", flush=True)
+    # Hugging Face compiled first (the ratio's denominator), then imgpipe: what matters most
+    # is measured before a deadline can stop the run.
+    order = ["hf-compiled", "imgpipe", "hf-eager"]
+    runs = [(impl, False) for impl in sorted(impls, key=order.index)]
+    if args.before and "imgpipe" in impls:
+        runs.insert(runs.index(("imgpipe", False)) + 1, ("imgpipe", True))
+    compiled_hf: dict[tuple[str, int], float] = {}
+    for impl, before in runs:
+        if args.deadline and time.perf_counter() - started > args.deadline:
+            print(f"deadline reached: phase {phase} {impl} not measured", flush=True)
+            return
+        measure(args, phase, impl, before, shape, data, accumulations, config, device,
+                results, profiles, compiled_hf)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        with contextlib.suppress(Exception):
+            torch._dynamo.reset()  # each model compiles afresh; bounded cache growth
+
+
+def measure(args: argparse.Namespace, phase: int, impl: str, before: bool, shape: dict,
+            data: dict[str, list[Batch]], accumulations: list[int], config: BertConfig,
+            device: torch.device, results: Results, profiles: Results,
+            compiled_hf: dict[tuple[str, int], float]) -> None:
+    """One implementation's rows (each kind of lengths, each accumulation) and profile."""
+    compiled = device.type == "cuda" and impl != "hf-eager"
+    step = (imgpipe_step(config, device, before, compiled) if impl == "imgpipe"
+            else hf_step(config, device, compiled))
+    variant = ("padded,autocast,foreach-lamb" if before else
+               "unpadded,o2,fused-lamb" if impl == "imgpipe" else "sdpa,autocast,fused-adamw")
+    for kind, batches in data.items():
+        for i in range(args.warmup):  # compilation (per shape) and the allocator
+            step([batches[i % len(batches)]])
+        for accumulation in accumulations:
+            steps = args.steps if accumulation == 1 else args.shipped_steps
+            seconds, peak = timed(step, batches, accumulation, steps, device)
+            row = row_of(config, phase, impl, variant, kind, shape, accumulation, seconds,
+                         peak, batches, device)
+            if impl == "hf-compiled":
+                compiled_hf[(kind, accumulation)] = row["sequences_per_s"]
+            hf = compiled_hf.get((kind, accumulation))
+            row["ratio_to_hf_compiled"] = (round(row["sequences_per_s"] / hf, 3)
+                                           if hf else None)
+            results.add("rows", row)
+            print_row(row)
+        if args.profile is not None and kind == next(iter(data)):
+            summary = profile_steps(functools.partial(step, [batches[0]]), 2,
+                                    device.type == "cuda")
+            profiles.add("profiles", {"phase": phase, "impl": impl, "variant": variant,
+                                      "lengths": kind, "micro_batch": shape["micro_batch"],
+                                      **summary})
+            shares = ", ".join(f"{k} {v['share']:.0%}" for k, v in summary["shares"].items())
+            print(f"      profile {impl} ({variant}): {summary['ms_per_step']} ms/step: "
+                  f"{shares}", flush=True)
+
+
+def row_of(config: BertConfig, phase: int, impl: str, variant: str, kind: str, shape: dict,
+           accumulation: int, seconds: float, peak: float | None, batches: list[Batch],
+           device: torch.device) -> dict[str, Any]:
+    tokens, flops = real_work(config, batches, shape["max_pred"])
+    sequences = shape["micro_batch"] * accumulation / seconds
+    tflops = sequences * flops / 1e12
+    top = peak_tflops(device, "bf16", None)
+    return {"phase": phase, "impl": impl, "variant": variant, "lengths": kind,
+            "micro_batch": shape["micro_batch"], "accumulation": accumulation,
+            "seq_len": shape["seq_len"], "mean_real_tokens": round(tokens, 1),
+            "step_s": round(seconds, 4), "sequences_per_s": round(sequences, 1),
+            "real_tokens_per_s": round(sequences * tokens, 1),
+            "tflops_per_s": round(tflops, 2),
+            "mfu": round(tflops / top, 4) if top else None,
+            "peak_memory_gib": round(peak, 2) if peak is not None else None}
+
+
+def print_row(row: dict[str, Any]) -> None:
+    mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "-"
+    gib = f"{row['peak_memory_gib']:.1f}" if row["peak_memory_gib"] is not None else "-"
+    ratio = row["ratio_to_hf_compiled"]
+    impl = row["impl"] + ("*" if row["variant"].startswith("padded") else "")
+    print(f"{row['phase']:>5} {impl:<12} {row['lengths']:<9} {row['micro_batch']:>5} "
+          f"{row['accumulation']:>4} {row['sequences_per_s']:>9.1f} "
+          f"{row['real_tokens_per_s']:>10.0f} {row['tflops_per_s']:>8.1f} {mfu:>6} {gib:>6} "
+          f"{(f'{ratio:.2f}x' if ratio else '-'):>7}", flush=True)
 
 
 if __name__ == "__main__":

@@ -111,6 +111,13 @@ class Trainer:
             predicted += count
         if self.master is not None and self.distributed:
             self.master.all_reduce()
+        # a named range: profiles (bench/bench_trainer.py --profile) count what is in it
+        with torch.profiler.record_function("optimizer"):
+            skipped = self._optimizer_step()
+        return StepStats(loss_sum / len(micro_batches), correct, predicted, skipped)
+
+    def _optimizer_step(self) -> bool:
+        """LAMB (unless fp16 overflowed: then True, the step skipped), schedule, zeroing."""
         skipped = False
         if self.scaler.is_enabled():
             scale_before = self.scaler.get_scale()
@@ -127,7 +134,7 @@ class Trainer:
             self.master.zero_grad()  # the gradients are views of its buffers: keep them
         else:  # with bucket views, DDP's gradients must stay allocated: zero them instead
             self.optimizer.zero_grad(set_to_none=self.ddp is None)
-        return StepStats(loss_sum / len(micro_batches), correct, predicted, skipped)
+        return skipped
 
     @property
     def learning_rate(self) -> float:
