@@ -5,7 +5,8 @@ lengths, per implementation, the same micro-batches already on the device:
 
 - imgpipe: the trainer's real step (``bert_trainer.trainer.Trainer``: LAMB, schedule,
   loss), bf16, torch.compile, unpadded encoder, O2 (bf16 weights, fp32 masters), fused
-  LAMB; ``--before`` adds the padded, autocast, unfused configuration it replaced;
+  LAMB; ``imgpipe-before`` (rows: impl imgpipe, variant padded,...) the padded, autocast,
+  unfused configuration it replaced;
 - hf-eager / hf-compiled: ``transformers.BertForPreTraining`` (attn_implementation="sdpa",
   bf16 autocast, fused AdamW, gradient clipping at 1.0 as its Trainer does), eager and
   under torch.compile, labels at the masked slots.
@@ -39,6 +40,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -184,8 +186,11 @@ def timed(step: Callable[[list[Batch]], None], batches: list[Batch], accumulatio
 class Results:
     """The JSON file, rewritten whole (temporary name, then rename) after every row."""
 
-    def __init__(self, path: Path | None, header: dict[str, Any]) -> None:
+    def __init__(self, path: Path | None, header: dict[str, Any], append: bool) -> None:
         self.path, self.data = path, {**header, "rows": [], "profiles": []}
+        if append and path is not None and path.is_file():
+            kept = json.loads(path.read_text())
+            self.data["rows"], self.data["profiles"] = kept["rows"], kept["profiles"]
 
     def add(self, key: str, item: dict[str, Any]) -> None:
         self.data[key].append(item)
@@ -200,9 +205,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--phases", default="1,2")
     parser.add_argument("--lengths", default="generated,real")
-    parser.add_argument("--impls", default="imgpipe,hf-eager,hf-compiled")
-    parser.add_argument("--before", action="store_true",
-                        help="also imgpipe padded + autocast + unfused LAMB (what it replaced)")
+    parser.add_argument("--impls", default="imgpipe,hf-eager,hf-compiled",
+                        help="of imgpipe, imgpipe-before (padded, autocast, unfused LAMB: "
+                        "what imgpipe replaced), hf-eager, hf-compiled")
+    parser.add_argument("--append", action="store_true",
+                        help="keep the rows already in --out and --profile, add to them")
     parser.add_argument("--accumulation", default="1,shipped",
                         help="accumulation counts: numbers, or 'shipped' (32 / 128)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps at accumulation 1")
@@ -236,6 +243,10 @@ def main(argv: list[str] | None = None) -> int:
               else BertConfig())
     shapes = TINY_SHAPES if args.tiny else SHAPES
     impls = args.impls.split(",")
+    unknown = set(impls) - {"imgpipe", "imgpipe-before", "hf-eager", "hf-compiled"}
+    if unknown:
+        print(f"bench_trainer: unknown --impls {', '.join(sorted(unknown))}", file=sys.stderr)
+        return 2
     try:
         import transformers
         hf_version: str | None = transformers.__version__
@@ -248,8 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     results = Results(out, {"device": name, "torch": torch.__version__,
                             "transformers": hf_version,
                             "model": "tiny" if args.tiny else "BERT-Large",
-                            "precision": "bf16"})
-    profiles = Results(args.profile, {"device": name, "torch": torch.__version__})
+                            "precision": "bf16"}, args.append)
+    profiles = Results(args.profile, {"device": name, "torch": torch.__version__},
+                       args.append)
     print(f"device: {name}; model: {results.data['model']}; torch {torch.__version__}; "
           f"transformers {hf_version}")
     print(f"{'phase':>5} {'impl':<12} {'lengths':<9} {'micro':>5} {'acc':>4} {'seq/s':>9} "
@@ -277,17 +289,20 @@ def run_phase(args: argparse.Namespace, phase: int, shape: dict, impls: list[str
               f"{shape['seq_len']}", flush=True)
     # Hugging Face compiled first (the ratio's denominator), then imgpipe: what matters most
     # is measured before a deadline can stop the run.
-    order = ["hf-compiled", "imgpipe", "hf-eager"]
-    runs = [(impl, False) for impl in sorted(impls, key=order.index)]
-    if args.before and "imgpipe" in impls:
-        runs.insert(runs.index(("imgpipe", False)) + 1, ("imgpipe", True))
+    order = ["hf-compiled", "imgpipe", "imgpipe-before", "hf-eager"]
     compiled_hf: dict[tuple[str, int], float] = {}
-    for impl, before in runs:
+    for name in sorted(impls, key=order.index):
         if args.deadline and time.perf_counter() - started > args.deadline:
-            print(f"deadline reached: phase {phase} {impl} not measured", flush=True)
+            print(f"deadline reached: phase {phase} {name} not measured", flush=True)
             return
-        measure(args, phase, impl, before, shape, data, accumulations, config, device,
-                results, profiles, compiled_hf)
+        impl, before = name.removesuffix("-before"), name.endswith("-before")
+        try:
+            measure(args, phase, impl, before, shape, data, accumulations, config, device,
+                    results, profiles, compiled_hf)
+        except Exception as exc:  # one lease, many rows: a failure costs only its own
+            traceback.print_exc()
+            results.add("rows", {"phase": phase, "impl": impl, "before": before,
+                                 "error": f"{type(exc).__name__}: {exc}"[:2000]})
         if device.type == "cuda":
             torch.cuda.empty_cache()
         with contextlib.suppress(Exception):
