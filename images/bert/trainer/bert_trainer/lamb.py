@@ -75,7 +75,8 @@ class Lamb(torch.optim.Optimizer):
             lr.fill_(group["lr"])  # a kernel with the value as its argument: no copy, no sync
             step.fill_(group["step"])
             decay = group["weight_decay"]
-            settings.append(GroupSettings(*group["betas"], group["eps"], decay,
+            beta1, beta2 = group["betas"]
+            settings.append(GroupSettings(beta1, beta2, group["eps"], decay,
                                           bool(decay or self.use_nvlamb)))
         self.last_grad_norm = self._step_fn(
             groups, [[p.grad for p in params] for params in groups],
@@ -115,10 +116,10 @@ def _group_step(params: list[torch.Tensor], grads: list[torch.Tensor],
                 exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor],
                 clip: torch.Tensor, lr: torch.Tensor, step: torch.Tensor,
                 s: GroupSettings) -> None:
-    grads = torch._foreach_mul(grads, clip.to(params[0].dtype))
-    torch._foreach_lerp_(exp_avg, grads, 1 - s.beta1)
+    clipped = torch._foreach_mul(grads, clip.to(params[0].dtype))
+    torch._foreach_lerp_(exp_avg, clipped, 1 - s.beta1)
     torch._foreach_mul_(exp_avg_sq, s.beta2)
-    torch._foreach_addcmul_(exp_avg_sq, grads, grads, value=1 - s.beta2)
+    torch._foreach_addcmul_(exp_avg_sq, clipped, clipped, value=1 - s.beta2)
     denominator = torch._foreach_sqrt(exp_avg_sq)
     torch._foreach_div_(denominator, torch.sqrt(1 - s.beta2 ** step))
     torch._foreach_add_(denominator, s.eps)
@@ -139,10 +140,11 @@ def _group_step(params: list[torch.Tensor], grads: list[torch.Tensor],
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float,
                      no_decay: set[str],
-                     named: dict[str, torch.nn.Parameter] | None = None) -> list[dict]:
+                     named: dict[str, torch.Tensor] | None = None) -> list[dict]:
     """Two groups: decayed weights, and biases + LayerNorm parameters without decay.
     ``named``: other tensors to step in the model's parameters' stead (O2's masters)."""
-    decayed, plain = [], []
+    decayed: list[torch.Tensor] = []
+    plain: list[torch.Tensor] = []
     for name, parameter in (named or dict(model.named_parameters())).items():
         if parameter.requires_grad:
             (plain if name in no_decay else decayed).append(parameter)

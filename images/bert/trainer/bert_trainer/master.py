@@ -31,9 +31,9 @@ class MasterWeights:
         device = named[0][1].device
         self.grad = torch.zeros(total, dtype=torch.float32, device=device)
         self.model_grad = torch.zeros(total, dtype=dtype, device=device)
-        self.masters: list[nn.Parameter] = []
+        self.masters: list[torch.Tensor] = []  # nn.Parameters, typed as what _foreach takes
         model.to(dtype)
-        self.params = [p for n, p in model.named_parameters() if p.requires_grad]
+        self.params: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
         offset = 0
         for (_, original), param in zip(named, self.params, strict=True):
             count = param.numel()
@@ -43,7 +43,7 @@ class MasterWeights:
             self.masters.append(master)
             offset += count
 
-    def by_name(self) -> dict[str, nn.Parameter]:
+    def by_name(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.names, self.masters, strict=True))
 
     @torch.no_grad()

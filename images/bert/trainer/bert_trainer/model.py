@@ -183,6 +183,7 @@ class BertForPreTraining(nn.Module):
         """The encoder's output at the real tokens alone: [T, hidden]."""
         x = self.embeddings.forward_unpadded(input_ids, token_type_ids, layout)
         for layer in self.layers:
+            assert isinstance(layer, Layer)  # for mypy: ModuleList items are Modules
             x = layer.forward_unpadded(x, layout)
         return x
 
