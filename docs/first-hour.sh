@@ -13,9 +13,11 @@ REGISTRY_CA=${REGISTRY_CA-/etc/pki/site-ca.crt}
 SQUASHFS=${SQUASHFS-/lustre/imgpipe/squashfs}
 PARTITION=${PARTITION-gpu}
 DATA=${DATA-/lustre/bert}
-# The shipped profile nearest your nodes, and how yours differ
+# The shipped profile nearest your nodes, and how yours differ (empty: as
+# shipped; e.g. --hcas mlx5_0,mlx5_1 --cores-per-node 96: only the compute
+# rails, never storage HCAs; cores or hardware threads, either is understood)
 PROFILE_FROM=${PROFILE_FROM-dgx-h100}
-NODE_SHAPE=${NODE_SHAPE---hcas mlx5_0,mlx5_1,mlx5_2,mlx5_3 --cores-per-node 96}
+NODE_SHAPE=${NODE_SHAPE-}
 # ngc: NVIDIA's PyTorch base; the images built from imgpipe's checkout; how
 # jobs run their image
 FLAVOR=${FLAVOR-ngc}
@@ -65,7 +67,9 @@ if [ -n "$ACCEPT" ]; then accept=(--accept "$ACCEPT"); fi
   || echo "profile: edit /etc/imgpipe/profiles/site.yaml"
 
 say "4. the first jobs (login node, as a user, in the checkout)"
-recipes=$(as_user mktemp -d "${TMPDIR:-/tmp}/first-hour-XXXXXX")
+# Under DATA, which every node sees: sbatch --chdir must exist on the nodes too.
+recipes="$DATA/first-hour-recipes"
+as_user mkdir -p "$recipes"
 as_user "$IMGPIPE" recipes render --profile site --nodes "$NODES" \
     --runtime "$RUNTIME" -o "$recipes"
 if [ "$RUNTIME" != pyxis ]; then

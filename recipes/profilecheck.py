@@ -17,6 +17,7 @@ from imgpipe.base.errors import ImgpipeError
 from imgpipe.recipes.profiles import Profile
 
 INFINIBAND = Path("/sys/class/infiniband")
+CPUS = Path("/sys/devices/system/cpu")
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,8 @@ class NodeFacts:
     partitions: list[str] | None
     hcas: list[str] | None
     gpus: list[tuple[str, int]] | None  # (name, memory in MiB) per GPU
-    cores: int
+    cores: int  # logical CPUs (hardware threads)
+    physical_cores: int | None = None  # cores, each counted once however many threads it runs
 
 
 @dataclass(frozen=True)
@@ -41,9 +43,23 @@ class ProfileCheck:
         return not self.mismatches
 
 
-def node_facts(infiniband: Path = INFINIBAND) -> NodeFacts:
+def node_facts(infiniband: Path = INFINIBAND, cpus: Path = CPUS) -> NodeFacts:
     return NodeFacts(_partitions(), sorted(p.name for p in infiniband.iterdir())
-                     if infiniband.is_dir() else None, _gpus(), os.cpu_count() or 1)
+                     if infiniband.is_dir() else None, _gpus(), os.cpu_count() or 1,
+                     physical_cores(cpus))
+
+
+def physical_cores(cpus: Path = CPUS) -> int | None:
+    """Cores, each counted once: distinct (package, core) pairs of the kernel's CPU topology;
+    None where the kernel does not say."""
+    seen: set[tuple[str, str]] = set()
+    for topology in cpus.glob("cpu[0-9]*/topology"):
+        try:
+            seen.add(((topology / "physical_package_id").read_text().strip(),
+                      (topology / "core_id").read_text().strip()))
+        except OSError:
+            continue
+    return len(seen) or None
 
 
 def _partitions() -> list[str] | None:
@@ -79,12 +95,23 @@ def check(profile: Profile, facts: NodeFacts) -> ProfileCheck:
     _check_partition(profile, facts, result)
     _check_hcas(profile, facts, result)
     _check_gpus(profile, facts, result)
-    if facts.cores != profile.cores_per_node:
-        result.mismatches.append(f"cores_per_node: the profile says {profile.cores_per_node}, "
-                                 f"this node has {facts.cores}")
-    else:
-        result.matched.append(f"cores_per_node: {facts.cores}")
+    _check_cores(profile, facts, result)
     return result
+
+
+def _check_cores(profile: Profile, facts: NodeFacts, result: ProfileCheck) -> None:
+    """cores_per_node may count cores or hardware threads (spec sheets say cores, Slurm's
+    CPUs counts threads): either matches, and the line says which."""
+    physical = facts.physical_cores
+    if profile.cores_per_node == physical:
+        threads = f" ({facts.cores} hardware threads)" if facts.cores != physical else ""
+        result.matched.append(f"cores_per_node: {physical} cores{threads}")
+    elif profile.cores_per_node == facts.cores:
+        result.matched.append(f"cores_per_node: {facts.cores} logical CPUs")
+    else:
+        cores = f"{physical} cores, " if physical and physical != facts.cores else ""
+        result.mismatches.append(f"cores_per_node: the profile says {profile.cores_per_node}, "
+                                 f"this node has {cores}{facts.cores} logical CPUs")
 
 
 def _check_partition(profile: Profile, facts: NodeFacts, result: ProfileCheck) -> None:
@@ -107,11 +134,12 @@ def _check_hcas(profile: Profile, facts: NodeFacts, result: ProfileCheck) -> Non
     if missing:
         result.mismatches.append(f"hcas: the profile names {', '.join(missing)}, which this "
                                  f"node lacks (it has {', '.join(facts.hcas) or 'none'})")
-    if unused:
-        result.mismatches.append(f"hcas: this node has {', '.join(unused)}, which the profile "
-                                 "leaves out (NCCL would not use them)")
-    if not missing and not unused:
-        result.matched.append(f"hcas: {', '.join(facts.hcas) or 'none'}")
+    if not missing:
+        result.matched.append(f"hcas: {', '.join(profile.hcas) or 'none'}")
+    if unused:  # storage and management HCAs: left out of NCCL's rails on purpose
+        result.unchecked.append(f"hcas: this node also has {', '.join(unused)}, which the "
+                                "profile leaves out: NCCL will not use them (right for storage "
+                                "or management HCAs; add compute rails to the profile's hcas)")
 
 
 def _check_gpus(profile: Profile, facts: NodeFacts, result: ProfileCheck) -> None:

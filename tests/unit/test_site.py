@@ -72,9 +72,37 @@ def test_profile_check_names_each_mismatch() -> None:
     assert any(line.startswith("hcas: the profile names mlx5_3, mlx5_4") for line in
                found.mismatches)
     assert "gpus_per_node: the profile says 8, nvidia-smi lists 4" in found.mismatches
-    assert "cores_per_node: 112" in found.matched
+    assert "cores_per_node: 112 logical CPUs" in found.matched
     same = NodeFacts(partitions=["batch"], hcas=sorted(h100.hcas),
                      gpus=[("NVIDIA H100 80GB HBM3", 81559)] * 8, cores=112)
     assert check(h100, same).ok
     unknown = check(h100, NodeFacts(None, None, None, 112))
     assert unknown.ok and len(unknown.unchecked) == 3
+
+
+def test_the_shipped_dgx_h100_profile_passes_on_a_hyper_threaded_node_with_storage_hcas(
+        tmp_path: Path) -> None:
+    """A DGX H100 as it boots: 2 x 56 cores with two threads each (224 logical CPUs), and
+    two storage HCAs beside the eight compute rails.  Neither is a mismatch: the profile
+    counts cores, and NCCL is meant to leave storage HCAs alone."""
+    from imgpipe.recipes.profilecheck import physical_cores
+
+    cpus = tmp_path / "cpu"
+    for cpu in range(224):  # Linux numbers the second thread of each core after the first
+        topology = cpus / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "physical_package_id").write_text(f"{(cpu % 112) // 56}\n")
+        (topology / "core_id").write_text(f"{cpu % 56}\n")
+    assert physical_cores(cpus) == 112
+    h100 = load_profile("dgx-h100")
+    node = NodeFacts(partitions=["batch"], hcas=sorted([*h100.hcas, "mlx5_1", "mlx5_2"]),
+                     gpus=[("NVIDIA H100 80GB HBM3", 81559)] * 8, cores=224,
+                     physical_cores=physical_cores(cpus))
+    found = check(h100, node)
+    assert found.ok, found.mismatches
+    assert "cores_per_node: 112 cores (224 hardware threads)" in found.matched
+    [extra] = [line for line in found.unchecked if line.startswith("hcas:")]
+    assert "mlx5_1, mlx5_2" in extra and "NCCL will not use them" in extra
+    wrong = check(h100, NodeFacts(["batch"], sorted(h100.hcas), None, 96, 48))
+    assert "cores_per_node: the profile says 112, this node has 48 cores, 96 logical CPUs" \
+        in wrong.mismatches
