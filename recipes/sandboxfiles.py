@@ -160,12 +160,16 @@ def write_config(spec: SandboxSpec, root: Path) -> Path:
         "OverSubscribe=YES",
         "",
     ]))
+    # srun --mpi=pmix (enroot.distribution: broadcast): PMIx's client folder goes under
+    # TmpFS (/tmp) by default, named by job and step alone, and every sandbox host shares
+    # /tmp: the second host's step then fails ("File exists"). Each host's /var/tmp is its own.
+    (root / "mpi.conf").write_text("PMIxCliTmpDirBase=/var/tmp\n")
     if spec.gpus:
         (root / "gres.conf").write_text(
             f"Name=gpu File={root / 'dev'}/gpu[0-{spec.gpus - 1}]\n")
     elif (root / "gres.conf").exists():
         (root / "gres.conf").unlink()
-    for path in (conf, root / "gres.conf"):
+    for path in (conf, root / "gres.conf", root / "mpi.conf"):
         if path.exists():
             os.chmod(path, 0o644)
     return conf
