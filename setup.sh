@@ -124,6 +124,6 @@ case "$mode" in
     ;;
   demo)
     if [ "${2:-}" != "--down" ]; then start_engine; fi
-    exec .venv/bin/python -m imgpipe.commands.democli "${@:2}"
+    exec .venv/bin/python -m imgpipe.commands.demo.democli "${@:2}"
     ;;
 esac

@@ -161,7 +161,7 @@ def sizes() -> dict[str, dict[str, float]]:
     """Each platform's image as the lock pins it: bytes and layers in the engine, pushed
     (compressed) bytes, squashfs bytes."""
     from imgpipe.base.config import load_settings
-    from imgpipe.commands.wiring import registry_client
+    from imgpipe.commands.shared.wiring import registry_client
 
     entry = lock_entry()
     client = registry_client(load_settings(cwd=ROOT))

@@ -1,4 +1,4 @@
-"""The bench corpus (imgpipe.commands.democorpus) as a command.
+"""The bench corpus (imgpipe.commands.demo.democorpus) as a command.
 
     .venv/bin/python bench/corpus.py OUTPUT_DIR --megabytes 50
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from imgpipe.commands.democorpus import assemble  # noqa: E402
+from imgpipe.commands.demo.democorpus import assemble  # noqa: E402
 
 __all__ = ["assemble"]
 

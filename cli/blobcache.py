@@ -10,7 +10,7 @@ import click
 from imgpipe.base.units import human_bytes
 from imgpipe.cli.clikit import CONTEXT, reporting, settings_of
 from imgpipe.cli.output import Result
-from imgpipe.commands.blobcache import (
+from imgpipe.commands.registry.blobcache import (
     CacheStatus,
     cache_config,
     cache_down,

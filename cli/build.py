@@ -13,8 +13,8 @@ from imgpipe.base.platforms import Platform, parse_platforms
 from imgpipe.base.progress import Progress, choose_mode
 from imgpipe.cli.clikit import CONTEXT, invocation, reporting, settings_of
 from imgpipe.cli.output import Result
-from imgpipe.commands.convert import convert_each_platform
-from imgpipe.commands.images import (
+from imgpipe.commands.builds.convert import convert_each_platform
+from imgpipe.commands.builds.images import (
     Pushed,
     build_images,
     ci_merge,
@@ -25,7 +25,7 @@ from imgpipe.commands.images import (
     selftest_named,
     unconverted,
 )
-from imgpipe.commands.published import Published, publish_all, publish_squashfs
+from imgpipe.commands.registry.published import Published, publish_all, publish_squashfs
 
 
 def _pairs(values: tuple[str, ...], what: str) -> dict[str, str]:

@@ -10,7 +10,7 @@ from imgpipe.base.terminal import shown
 from imgpipe.base.units import human_bytes, parse_size
 from imgpipe.cli.clikit import CONTEXT, parsed_by, reporting, settings_of
 from imgpipe.cli.output import Result
-from imgpipe.commands.cache import list_cache, prune_cache
+from imgpipe.commands.node.cache import list_cache, prune_cache
 
 
 def _age(seconds: float) -> str:

@@ -1,5 +1,5 @@
 """``imgpipe-cache-writer [--config FILE] REPOSITORY@sha256:HEX``: the service account's
-conversion for every user (``imgpipe.commands.cachewriter``), run by the importer through the
+conversion for every user (``imgpipe.commands.node.cachewriter``), run by the importer through the
 sudoers line a site writes.  It prints the shared entry's path; anything else is one line on
 stderr and exit 1 (2 for a call of the wrong form)."""
 
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from imgpipe.base.config import parse_settings
     from imgpipe.base.errors import ImgpipeError
     from imgpipe.base.terminal import safe_line
-    from imgpipe.commands.cachewriter import write_shared
+    from imgpipe.commands.node.cachewriter import write_shared
 
     def say(text: str) -> None:
         print(safe_line(f"imgpipe-cache-writer: {text}"), file=sys.stderr, flush=True)

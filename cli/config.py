@@ -37,7 +37,7 @@ def show(ctx: click.Context, origin: bool) -> Result:
       imgpipe config show --origin | grep -v default
       imgpipe config show --json | jq '.data.keys[] | select(.key == "registry.host")'
     """
-    from imgpipe.commands.config import effective_keys
+    from imgpipe.commands.site.config import effective_keys
 
     keys = effective_keys(settings_of(ctx))
     width = max((len(k.origin) for k in keys), default=0)

@@ -13,10 +13,10 @@ from imgpipe.base.progress import Progress, choose_mode
 from imgpipe.base.units import human_bytes
 from imgpipe.cli.clikit import CONTEXT, invocation, parsed_by, reporting, settings_of
 from imgpipe.cli.output import Result
-from imgpipe.commands.convert import Conversion, convert_and_record
-from imgpipe.commands.nodeconfig import make_cache as setup_cache
-from imgpipe.commands.nodeconfig import node_setup, parse_version
-from imgpipe.commands.published import verify
+from imgpipe.commands.builds.convert import Conversion, convert_and_record
+from imgpipe.commands.registry.published import verify
+from imgpipe.commands.site.nodeconfig import make_cache as setup_cache
+from imgpipe.commands.site.nodeconfig import node_setup, parse_version
 
 COMPRESSION = click.Choice(["zstd", "lz4", "lzo-enroot", "none"])
 
@@ -172,7 +172,7 @@ def node_config(ctx: click.Context, pyxis_version: tuple[int, int, int] | None,
 
 def _check_or_apply(ctx: click.Context, apply: bool, accept: frozenset[str],
                     site_config: Path | None, root: Path) -> Result:
-    from imgpipe.commands.nodecheck import apply_node, check_node
+    from imgpipe.commands.site.nodecheck import apply_node, check_node
 
     settings = settings_of(ctx)
     done = apply_node(settings, root, site_config, accept) if apply else None

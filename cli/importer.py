@@ -1,7 +1,7 @@
 """``imgpipe-pyxis-importer get URI | release``: the program Pyxis (0.21+) runs to import an
-image (``plugstack.conf``: ``importer=PATH``); its work is ``imgpipe.commands.importer``.
+image (``plugstack.conf``: ``importer=PATH``); its work is ``imgpipe.commands.node.importer``.
 ``stage URI`` and ``take URI [SHA256 STAGED MANIFEST]`` are what the recipes run where
-squashfs caches are node-local (``imgpipe.commands.fanout``).
+squashfs caches are node-local (``imgpipe.commands.node.fanout``).
 
 ``get`` prints the squashfs path Pyxis mounts or unpacks; ``release`` ends the step's
 recorded use when the step ends.  What goes to stderr is what the user sees when the import
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from imgpipe.commands.importer import fast_get, get, is_foreign, record_step, release
+from imgpipe.commands.node.importer import fast_get, get, is_foreign, record_step, release
 
 USAGE = ("usage: imgpipe-pyxis-importer get URI | release | stage URI | take URI "
          "[SHA256 STAGED MANIFEST]")
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if len(args) == 2 and args[0] == "get":
             if is_foreign(args[1]):  # another registry's image: as Pyxis alone would
-                from imgpipe.commands.foreign import enroot_get
+                from imgpipe.commands.node.foreign import enroot_get
 
                 path = enroot_get(args[1])
             else:
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 def _fanout(args: list[str]) -> int:
     from pathlib import Path
 
-    from imgpipe.commands.fanout import Staged, stage, take
+    from imgpipe.commands.node.fanout import Staged, stage, take
 
     if args[0] == "stage" and len(args) == 2:
         print(stage(args[1]).line(), flush=True)

@@ -6,7 +6,7 @@ import click
 
 from imgpipe.cli.clikit import CONTEXT, reporting, settings_of
 from imgpipe.cli.output import Result
-from imgpipe.commands.images import pull_lock
+from imgpipe.commands.builds.images import pull_lock
 
 
 @click.group(context_settings=CONTEXT)

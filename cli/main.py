@@ -143,7 +143,7 @@ def doctor(ctx: click.Context) -> Result:
     Example:
       imgpipe doctor --json | jq '.data.checks[] | select(.verdict != "ok")'
     """
-    from imgpipe.commands.doctor import run_checks
+    from imgpipe.commands.site.doctor import run_checks
 
     checks = run_checks(settings_of(ctx))
     marks = {"ok": "ok  ", "warn": "warn", "missing": "MISS"}
@@ -180,7 +180,7 @@ def base_image(ctx: click.Context, tag: str | None, platform: str | None, suite:
     # imgpipe base-image --platform linux/arm64   # the cpu flavor's platform_bases
     """
     from imgpipe.base.platforms import Platform
-    from imgpipe.commands.baseimage import make_base_image
+    from imgpipe.commands.builds.baseimage import make_base_image
 
     made, created = make_base_image(tag, Platform.parse(platform) if platform else None,
                                     suite, mirror, rebuild)

@@ -9,7 +9,7 @@ import click
 
 from imgpipe.cli.clikit import CONTEXT, reporting, settings_of
 from imgpipe.cli.output import Result
-from imgpipe.commands.nccl import check_log, verdict_line
+from imgpipe.commands.site.nccl import check_log, verdict_line
 
 
 @click.group(context_settings=CONTEXT)

@@ -12,7 +12,7 @@ from imgpipe.base.platforms import Platform
 from imgpipe.base.progress import Progress, choose_mode
 from imgpipe.cli.clikit import CONTEXT, invocation, reporting, settings_of
 from imgpipe.cli.output import Result
-from imgpipe.commands.recipes import (
+from imgpipe.commands.builds.recipes import (
     RUNTIMES,
     Runtime,
     publish_recipes,
@@ -171,7 +171,7 @@ def profile() -> None:
 @reporting
 def profile_list(ctx: click.Context) -> Result:
     """Every shipped profile and the site's own (recipes.profiles_dir)."""
-    from imgpipe.commands.profiles import known_profiles
+    from imgpipe.commands.site.profiles import known_profiles
 
     known = known_profiles(settings_of(ctx))
     width = max(len(name) for name, _ in known)
@@ -193,7 +193,7 @@ def profile_new(ctx: click.Context, name: str, base: str, output: Path | None) -
     Example:
       imgpipe recipes profile new h100-ours --from dgx-h100 -o /etc/imgpipe/profiles
     """
-    from imgpipe.commands.profiles import new_profile
+    from imgpipe.commands.site.profiles import new_profile
 
     path = new_profile(settings_of(ctx), name, base, output)
     return Result({"profile": name, "path": str(path)},
@@ -213,7 +213,7 @@ def profile_check(ctx: click.Context, name: str) -> Result:
     Example:
       srun -N1 -p gpu imgpipe recipes profile check h100-ours
     """
-    from imgpipe.commands.profiles import check_profile
+    from imgpipe.commands.site.profiles import check_profile
 
     checked = check_profile(settings_of(ctx), name)
     lines = [f"mismatch: {line}" for line in checked.mismatches]

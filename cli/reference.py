@@ -1,5 +1,5 @@
 """docs/reference/, generated from the code: one section per command (from click), the
-configuration keys, the profile format and the environment (``commands.reference``).
+configuration keys, the profile format and the environment (``commands.builds.reference``).
 
     .venv/bin/python -m imgpipe.cli.reference --write docs/reference   # after a change
     .venv/bin/python -m imgpipe.cli.reference --check docs/reference   # what the test runs
@@ -68,7 +68,7 @@ def _options(command: click.Command, ctx: click.Context) -> list[str]:
 
 
 def commands_page() -> str:
-    from imgpipe.commands.reference import GENERATED
+    from imgpipe.commands.builds.reference import GENERATED
 
     root = click.Context(cli, info_name="imgpipe", **cli.context_settings)
     lines = [GENERATED, "# Commands", "",
@@ -91,7 +91,7 @@ def commands_page() -> str:
 
 
 def generate() -> dict[str, str]:
-    from imgpipe.commands.reference import config_page, environment_page, profiles_page
+    from imgpipe.commands.builds.reference import config_page, environment_page, profiles_page
 
     return {"commands.md": commands_page(), "configuration.md": config_page(),
             "profiles.md": profiles_page(), "environment.md": environment_page()}

@@ -10,14 +10,14 @@ from imgpipe.base.units import human_bytes
 from imgpipe.cli.blobcache import cache
 from imgpipe.cli.clikit import CONTEXT, reporting, settings_of
 from imgpipe.cli.output import Result
-from imgpipe.commands.registry import (
+from imgpipe.commands.registry.registry import (
     collect_garbage,
     list_registry,
     list_tags,
     registry_status,
     remove_image,
 )
-from imgpipe.commands.wiring import local_registry
+from imgpipe.commands.shared.wiring import local_registry
 
 
 @click.group(context_settings=CONTEXT)

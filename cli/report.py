@@ -32,7 +32,7 @@ def report(ctx: click.Context, results_dir: Path, output: Path | None,
       imgpipe report /lustre/bert/results
       imgpipe report build/demo/results -o /tmp/report --profile dgx-a100
     """
-    from imgpipe.commands.report import make_report
+    from imgpipe.commands.builds.report import make_report
 
     made = make_report(settings_of(ctx), results_dir, output, profile_name)
     nccl = made["summary"].get("nccl")

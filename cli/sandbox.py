@@ -24,7 +24,7 @@ from imgpipe.base.files import atomic_write
 from imgpipe.base.platforms import Platform
 from imgpipe.cli.clikit import CONTEXT, reporting, settings_of
 from imgpipe.cli.output import Result
-from imgpipe.commands.sandbox import MAX_COMPUTE_NODES, Sandbox, SandboxError, SandboxSpec
+from imgpipe.commands.builds.sandbox import MAX_COMPUTE_NODES, Sandbox, SandboxError, SandboxSpec
 
 DEFAULT_SUBNET = "10.213.7"
 DEFAULT_NAME = "imgp"

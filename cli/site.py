@@ -63,7 +63,7 @@ def init(ctx: click.Context, registry: str | None, registry_ca: Path | None, pla
           --squashfs-dir /lustre/imgpipe/squashfs --partition gpu \\
           --data-root /lustre/bert --from dgx-h100 --hcas mlx5_0,mlx5_1,mlx5_2,mlx5_3
     """
-    from imgpipe.commands.site import SiteAnswers, init_site
+    from imgpipe.commands.site.site import SiteAnswers, init_site
 
     given: dict[str, object] = {"registry": registry, "squashfs_dir": squashfs_dir,
                                 "partition": partition, "data_root": data_root}

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from imgpipe.base.config import Settings, parse_settings
-from imgpipe.commands.wiring import registry_client
+from imgpipe.commands.shared.wiring import registry_client
 from tests import services
 from tests.conftest import CliRun
 

@@ -12,7 +12,7 @@ import pytest
 
 from imgpipe.base.config import load_settings, parse_settings
 from imgpipe.base.errors import ConfigError
-from imgpipe.commands.config import effective_keys
+from imgpipe.commands.site.config import effective_keys
 
 
 def _layers(tmp_path: Path) -> dict[str, Path]:

@@ -18,7 +18,7 @@ import pytest
 
 from imgpipe.cli.main import cli
 from imgpipe.cli.reference import main as reference
-from imgpipe.commands.reference import config_keys
+from imgpipe.commands.builds.reference import config_keys
 from imgpipe.recipes.errors import ShapeError
 from imgpipe.recipes.profiles import SHIPPED, load_profile
 from imgpipe.recipes.scaling import shape_for
@@ -209,7 +209,7 @@ def test_every_repository_path_quoted_exists() -> None:
 
 def test_every_config_key_has_a_meaning_and_every_key_named_exists() -> None:
     from imgpipe.base.config import Settings
-    from imgpipe.commands.reference import _fields
+    from imgpipe.commands.builds.reference import _fields
 
     assert [key for key, _, _, text in _fields(Settings) if not text] == []
     from imgpipe.base.config import RENAMED_ENROOT_KEYS

@@ -76,7 +76,7 @@ def test_doctor_reports_the_enroot_version_and_what_follows(cli: CliRun, enroot_
                                                             version: str, status: str,
                                                             words: str) -> None:
     from imgpipe.base.config import load_settings
-    from imgpipe.commands.doctor import check_enroot
+    from imgpipe.commands.site.doctor import check_enroot
 
     enroot_on_path(version)
     check = check_enroot(load_settings(cli.write_config({})))

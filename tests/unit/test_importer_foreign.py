@@ -65,7 +65,7 @@ def test_a_failed_enroot_import_is_one_line(tmp_path: Path) -> None:
 
 
 def test_only_imgpipes_registry_is_imgpipes() -> None:
-    from imgpipe.commands.importer import DOCKER_HUB
+    from imgpipe.commands.node.importer import DOCKER_HUB
     from imgpipe.registry.reference import Reference
 
     assert Reference.parse("docker://ubuntu", default_registry=DOCKER_HUB).registry == \

@@ -35,6 +35,8 @@ def test_the_layers_and_the_process_chokepoint_hold() -> None:
     assert "cli parses, calls commands, renders: it reaches no subsystem itself KEPT" in \
         done.stdout
     assert "enroot/ in import order, as enroot/__init__.py maps it" in done.stdout
+    assert "commands/ by who calls it and where it runs, as commands/__init__.py maps it" \
+        in done.stdout
 
 
 def _map(package: Path) -> list[str]:
@@ -51,10 +53,14 @@ def _modules(package: Path) -> set[str]:
 
 
 @pytest.mark.parametrize("folder", ["enroot", "enroot/published", "enroot/fetch",
-                                    "enroot/flatten", "enroot/squash", "enroot/cache"])
+                                    "enroot/flatten", "enroot/squash", "enroot/cache",
+                                    "commands", "commands/demo", "commands/builds",
+                                    "commands/registry", "commands/site", "commands/node",
+                                    "commands/shared"])
 def test_each_map_names_every_module_in_its_contracts_order(folder: str) -> None:
-    """enroot/'s maps (its __init__ docstrings) and its layers contracts list the same modules
-    in the same order, and every module of the folder is on both: neither can go stale."""
+    """enroot/'s and commands/' maps (their __init__ docstrings) and their layers contracts
+    list the same modules in the same order, and every module of the folder is on both:
+    neither can go stale."""
     package = ROOT / folder
     name = "imgpipe." + folder.replace("/", ".")
     [contract] = [c for c in contracts() if c.get("containers") == [name]]

@@ -209,7 +209,7 @@ def test_the_job_scripts_record_the_digest_of_the_image_they_picked(tmp_path: Pa
 
 def test_a_conversion_pinned_by_its_path_still_names_its_digest(tmp_path: Path) -> None:
     from imgpipe.base.config import Settings
-    from imgpipe.commands.recipes import pinned_digest
+    from imgpipe.commands.builds.recipes import pinned_digest
 
     hexed = "ab" * 32
     converted = _squashfs(tmp_path / f"imgpipe+bert+sha256-{hexed}+zstd-f2.sqsh")

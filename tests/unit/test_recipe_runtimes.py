@@ -377,7 +377,7 @@ def test_node_config_turns_on_squashfuse_mode_where_pyxis_has_it(tmp_path: Path,
 
 
 def test_doctor_names_what_squashfuse_mode_lacks(tmp_path: Path) -> None:
-    from imgpipe.commands.doctor import check_squashfuse_mode
+    from imgpipe.commands.site.doctor import check_squashfuse_mode
 
     fuse = tmp_path / "fuse"
     fuse.touch()
@@ -394,7 +394,7 @@ def test_doctor_names_what_squashfuse_mode_lacks(tmp_path: Path) -> None:
 
 def test_the_importer_fast_path_reads_the_settings_the_full_loader_reads(tmp_path: Path
                                                                          ) -> None:
-    from imgpipe.commands.importer import quick_settings
+    from imgpipe.commands.node.importer import quick_settings
 
     for text in ("{}\n", "registry: {host: head, port: 5001}\noutputs: {squashfs_dir: sq}\n"
                  "enroot: {compression: lz4}\n", "outputs: {squashfs_dir: /abs/sq}\n",

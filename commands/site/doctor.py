@@ -55,7 +55,7 @@ def check_docker(settings: Settings) -> list[Check]:
 
 
 def check_registry(settings: Settings) -> Check:
-    from imgpipe.commands.wiring import registry_client
+    from imgpipe.commands.shared.wiring import registry_client
 
     try:
         registry_client(settings).ping()
@@ -166,7 +166,7 @@ def check_disk(settings: Settings) -> Check:
 
 def check_cache(settings: Settings) -> Check:
     """The squashfs cache's layout and entries, as the threat model wants them."""
-    from imgpipe.commands.wiring import storage
+    from imgpipe.commands.shared.wiring import storage
     from imgpipe.enroot.cache.layout import audit
 
     try:

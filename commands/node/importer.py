@@ -269,7 +269,7 @@ def get(uri: str) -> Path:
     from pathlib import Path
 
     from imgpipe.base.config import Settings, parse_settings
-    from imgpipe.commands.wiring import registry_client, storage
+    from imgpipe.commands.shared.wiring import registry_client, storage
     from imgpipe.enroot.convert import convert, require_served
     from imgpipe.enroot.published.policy import PublishedPolicy
     from imgpipe.enroot.squash.tools import SquashOptions, compression_of
@@ -284,7 +284,7 @@ def get(uri: str) -> Path:
     # writer makes for every user (docs/threat-model.md, "the squashfs cache").
     if enroot.cache_writer and cache.shared and not cache.trust.is_admin \
             and settings.registry.credentials.source == "none":
-        from imgpipe.commands.cachewriter import ask_writer
+        from imgpipe.commands.node.cachewriter import ask_writer
 
         require_served(ref, settings.registry.address)
         ask_writer(settings, ref, say)  # the shared entry, for every user; else our own
@@ -297,7 +297,7 @@ def get(uri: str) -> Path:
         published=PublishedPolicy(enroot.published, unpinned=enroot.published_unpinned,
                                   range_connections=enroot.range_connections))
     if conversion.converted and enroot.cache_max_size:
-        from imgpipe.commands.cache import prune_after_conversion
+        from imgpipe.commands.node.cache import prune_after_conversion
 
         prune_after_conversion(storage(settings), enroot.cache_max_size, conversion.path,
                                say)

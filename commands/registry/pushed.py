@@ -23,7 +23,7 @@ from typing import Literal
 from imgpipe.base.config import Settings
 from imgpipe.base.errors import ImgpipeError
 from imgpipe.base.progress import Progress
-from imgpipe.commands.wiring import registry_client, registry_for
+from imgpipe.commands.shared.wiring import registry_client, registry_for
 from imgpipe.pipeline.builds import BaseResolver
 from imgpipe.pipeline.catalog import Image, load_catalog
 from imgpipe.pipeline.lock import (

@@ -1,6 +1,6 @@
-"""``./setup.sh demo`` (``python -m imgpipe.commands.democli``): the default demo
-(``commands/demo.py``), or with ``--platforms`` the x86-and-Grace one
-(``commands/demoplatforms.py``), which builds on the default's steps.
+"""``./setup.sh demo`` (``python -m imgpipe.commands.demo.democli``): the default demo
+(``commands/demo/demo.py``), or with ``--platforms`` the x86-and-Grace one
+(``commands/demo/demoplatforms.py``), which builds on the default's steps.
 """
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from imgpipe.commands.demo import __doc__ as DEMO_DOC
-from imgpipe.commands.demo import run as run_demo
-from imgpipe.commands.demoplatforms import run as run_platforms
+from imgpipe.commands.demo.demo import __doc__ as DEMO_DOC
+from imgpipe.commands.demo.demo import run as run_demo
+from imgpipe.commands.demo.demoplatforms import run as run_platforms
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,8 +16,8 @@ from imgpipe.base.config import Settings
 from imgpipe.base.files import file_sha256
 from imgpipe.base.platforms import Platform
 from imgpipe.base.progress import Progress
-from imgpipe.commands.pushed import catalog_image, require_pushed
-from imgpipe.commands.wiring import registry_client, squash_options, storage
+from imgpipe.commands.registry.pushed import catalog_image, require_pushed
+from imgpipe.commands.shared.wiring import registry_client, squash_options, storage
 from imgpipe.enroot.cache.storage import Storage
 from imgpipe.enroot.convert import Conversion, convert, convert_privately, resolve_digest
 from imgpipe.enroot.errors import VerifyError

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from imgpipe.base.config import Settings
-from imgpipe.commands.nccl import site_profile
+from imgpipe.commands.site.nccl import site_profile
 from imgpipe.recipes.report import write_report
 
 __all__ = ["make_report"]

@@ -8,8 +8,8 @@ from imgpipe.base.files import file_sha256
 from imgpipe.base.platforms import Platform, node_platform
 from imgpipe.base.progress import Progress
 from imgpipe.base.units import parse_size
-from imgpipe.commands.pushed import require_pushed
-from imgpipe.commands.wiring import registry_client, squash_options, storage
+from imgpipe.commands.registry.pushed import require_pushed
+from imgpipe.commands.shared.wiring import registry_client, squash_options, storage
 from imgpipe.enroot.cache.uses import prune
 from imgpipe.enroot.convert import Conversion, convert
 from imgpipe.enroot.published.policy import PublishedPolicy

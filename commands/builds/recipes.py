@@ -10,8 +10,8 @@ from imgpipe.base.errors import ConfigError, ImgpipeError
 from imgpipe.base.files import SquashfsPath
 from imgpipe.base.platforms import Platform, host_platform
 from imgpipe.base.progress import Progress
-from imgpipe.commands.pushed import catalog_image, find_pushed, require_pushed
-from imgpipe.commands.wiring import registry_client, registry_credentials
+from imgpipe.commands.registry.pushed import catalog_image, find_pushed, require_pushed
+from imgpipe.commands.shared.wiring import registry_client, registry_credentials
 from imgpipe.enroot.cache.storage import converted_digest
 from imgpipe.enroot.nodeconfig import nodes_enroot, takes_digests
 from imgpipe.enroot.published.artifact import find_published

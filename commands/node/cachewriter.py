@@ -32,8 +32,8 @@ from imgpipe.base import process
 from imgpipe.base.config import Settings
 from imgpipe.base.errors import ImgpipeError
 from imgpipe.base.terminal import shown
-from imgpipe.commands.cache import prune_after_conversion
-from imgpipe.commands.wiring import registry_client, squash_options, storage
+from imgpipe.commands.node.cache import prune_after_conversion
+from imgpipe.commands.shared.wiring import registry_client, squash_options, storage
 from imgpipe.enroot.cache.trust import user_name
 from imgpipe.enroot.convert import convert, resolve_digest
 from imgpipe.enroot.errors import ConvertError

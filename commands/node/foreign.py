@@ -16,7 +16,7 @@ import socket
 from pathlib import Path
 
 from imgpipe.base import process
-from imgpipe.commands.importer import IMPORTED, _record_dir, write_record
+from imgpipe.commands.node.importer import IMPORTED, _record_dir, write_record
 
 __all__ = ["enroot_get"]
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from imgpipe.base.config import Settings
 from imgpipe.base.errors import ImgpipeError
-from imgpipe.commands.wiring import local_registry, registry_client
+from imgpipe.commands.shared.wiring import local_registry, registry_client
 from imgpipe.enroot.published.artifact import find_published
 from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.inventory import (

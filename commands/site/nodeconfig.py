@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from imgpipe.base.config import Settings
-from imgpipe.commands.wiring import storage
+from imgpipe.commands.shared.wiring import storage
 from imgpipe.enroot.cache.layout import make_layout
 from imgpipe.enroot.nodeconfig import (
     PYXIS_SO_CANDIDATES,

@@ -20,8 +20,8 @@ from imgpipe.base.adminpath import Admins, walk_admin_folder
 from imgpipe.base.config import SITE_CONFIG, parse_settings
 from imgpipe.base.errors import ConfigError
 from imgpipe.base.files import atomic_write
-from imgpipe.commands.nccl import site_profile
-from imgpipe.commands.profiles import NAME, profile_text
+from imgpipe.commands.site.nccl import site_profile
+from imgpipe.commands.site.profiles import NAME, profile_text
 from imgpipe.recipes.profiles import Profile
 
 __all__ = ["SiteAnswers", "init_site"]

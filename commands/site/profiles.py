@@ -11,7 +11,7 @@ import yaml
 from imgpipe.base.config import Settings
 from imgpipe.base.errors import ConfigError
 from imgpipe.base.files import atomic_write
-from imgpipe.commands.nccl import site_profile
+from imgpipe.commands.site.nccl import site_profile
 from imgpipe.recipes.profilecheck import ProfileCheck, check, node_facts
 from imgpipe.recipes.profiles import SHIPPED, Profile
 

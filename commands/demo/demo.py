@@ -1,4 +1,4 @@
-"""The main job on this machine: ``./setup.sh demo`` (``python -m imgpipe.commands.democli``).
+"""The main job on this machine: ``./setup.sh demo`` (``python -m imgpipe.commands.demo.democli``).
 
 What a team does on a cluster, with the commands a user types, on a local sandbox:
 
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from imgpipe.base import process
-from imgpipe.commands.democorpus import LICENSES
+from imgpipe.commands.demo.democorpus import LICENSES
 from imgpipe.recipes.sandbox import Sandbox, SandboxSpec
 
 ROOT = Path.cwd()
@@ -147,7 +147,7 @@ def forget_other_inputs(work: Path, state: dict[str, Any]) -> None:
 
 def inputs(work: Path) -> tuple[Path, Path, Path]:
     """Corpus, vocabulary and a small BERT config, made once."""
-    from imgpipe.commands.democorpus import assemble
+    from imgpipe.commands.demo.democorpus import assemble
 
     corpus, vocab, config = work / "corpus", work / "vocab.txt", work / "bert_config.json"
     if not (corpus / "done").exists():

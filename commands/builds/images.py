@@ -15,8 +15,8 @@ from imgpipe.base.engine import Engine, EngineError, find_build_client
 from imgpipe.base.errors import ConfigError, ImgpipeError
 from imgpipe.base.platforms import Platform
 from imgpipe.base.progress import Progress
-from imgpipe.commands.pushed import find_pushed
-from imgpipe.commands.wiring import registry_client, registry_for
+from imgpipe.commands.registry.pushed import find_pushed
+from imgpipe.commands.shared.wiring import registry_client, registry_for
 from imgpipe.pipeline.builds import (
     BaseResolver,
     BuildOutcome,

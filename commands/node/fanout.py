@@ -31,8 +31,8 @@ from pathlib import Path
 from imgpipe.base.config import Settings, parse_settings
 from imgpipe.base.errors import ImgpipeError
 from imgpipe.base.units import human_bytes
-from imgpipe.commands.importer import config_file, fast_get, get, say
-from imgpipe.commands.wiring import storage
+from imgpipe.commands.node.importer import config_file, fast_get, get, say
+from imgpipe.commands.shared.wiring import storage
 from imgpipe.enroot.cache.storage import Storage, fetched_stem
 from imgpipe.enroot.cache.trust import check_entry
 from imgpipe.enroot.published.pins import Pins

@@ -10,7 +10,7 @@ from imgpipe.base.config import Settings
 from imgpipe.base.errors import ImgpipeError
 from imgpipe.base.terminal import shown
 from imgpipe.base.units import human_bytes, parse_size
-from imgpipe.commands.wiring import storage
+from imgpipe.commands.shared.wiring import storage
 from imgpipe.enroot.cache.layout import audit
 from imgpipe.enroot.cache.storage import Storage
 from imgpipe.enroot.cache.uses import Entry, Pruned, entries, prune

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from imgpipe.base.platforms import Platform, host_platform, parse_platforms
-from imgpipe.commands.demo import (
+from imgpipe.commands.demo.demo import (
     JOB_NAMES,
     PHASE_OVERRIDES,
     ROOT,

@@ -1,0 +1,16 @@
+"""imgpipe.commands.node: what runs on compute nodes as the job's user, the Pyxis importer's
+work.  A job's start waits on it and it acts on a cache every user shares: it imports
+nothing of the build side (commands/builds/, imgpipe.pipeline) or the demo.
+
+Imports go down:
+
+    fanout          ``stage`` and ``take`` around Slurm's sbcast, where caches are node-local
+    foreign         another registry's image, imported as Pyxis does without an importer
+
+    importer        ``get`` and ``release``: a fast path on the standard library, the full
+                    conversion otherwise
+
+    cachewriter     conversions every user's jobs take, by the cache's service account
+
+    cache           ``imgpipe cache ls|prune``: what the shared cache holds, kept bounded
+"""
