@@ -12,6 +12,8 @@ Imports go down:
     doctor          ``imgpipe doctor``: what this machine has, and how to get what it lacks
 
     profiles        ``imgpipe recipes profile new|check|list``: a site's own profile
+    nodebackup      what ``node-config --apply`` keeps of each file it writes, and
+                    ``--rollback`` puts back
 
     nccl            ``imgpipe nccl check``: a log judged against a profile (and the site's
                     profile found by name)
