@@ -13,26 +13,51 @@
 #   ./setup.sh test   install, then run the whole test suite (the tests start and
 #                     stop the engine and registries they need)
 #   ./setup.sh check  install, then the static checks alone: ruff, mypy, import-linter
-#   ./setup.sh        install only
+#   ./setup.sh        install only (this machine as the demo and the tests need it)
+#
+# A cluster's hosts (docs/admin.md) never take the modes above, which install Slurm, munge,
+# chromium, qemu and Charliecloud and turn binfmt on.  They take:
+#
+#   ./setup.sh build-host [--arm64]   as root, on the build host (a CI runner, the head
+#                     node): Docker's engine, squashfs tools, git, python3-venv, and imgpipe
+#                     in .venv, nothing else; --arm64 adds qemu-user-static and its binfmt
+#                     entry (Grace images built under emulation).  Idempotent.
+#   ./setup.sh node-wheels   no root, no apt: imgpipe's wheel and every wheel it needs, for
+#                     x86 nodes (dist/nodes/x86_64) and Grace nodes (dist/nodes/aarch64),
+#                     CPython ${PYTHON_VERSION:-3.11}; a node installs them with
+#                     `pip install --no-index --find-links dist/nodes/$(uname -m) imgpipe`
 set -euo pipefail
 cd "$(dirname "$0")"
 
 mode=${1:-install}
-case "$mode" in install|demo|test|check) ;; *) echo "usage: $0 [install|demo|test|check]" >&2; exit 2 ;; esac
+case "$mode" in
+  install|demo|test|check|build-host|node-wheels) ;;
+  *) echo "usage: $0 [install|demo|test|check|build-host [--arm64]|node-wheels]" >&2; exit 2 ;;
+esac
 
-PACKAGES=(
-  docker.io docker-registry          # engine with BuildKit (20.10 client), registry 2.8
+# What a build host needs: the engine (BuildKit comes with it), the squashfs tools that
+# convert and publish, git, and a Python for imgpipe's venv.
+BUILD_HOST_PACKAGES=(
+  docker.io                          # engine with BuildKit (20.10 client)
   squashfs-tools squashfs-tools-ng   # mksquashfs/unsquashfs, tar2sqfs
+  git ca-certificates
+  python3 python3-venv python3-pip
+)
+EMULATION_PACKAGES=(qemu-user-static binfmt-support)  # arm64 (Grace) built under emulation
+
+# This machine as the demo and the tests need it: a build host, and the head node, a rack
+# host, a login node and compute nodes of a sandbox cluster on top.
+PACKAGES=(
+  "${BUILD_HOST_PACKAGES[@]}" "${EMULATION_PACKAGES[@]}"
+  docker-registry                    # registry 2.8 (the head node's)
   debootstrap                        # base images without a public registry
   apache2-utils                      # htpasswd for registry auth
   nginx-light                        # the blob cache tier (imgpipe registry cache up)
   slurm-wlm munge iproute2           # the multi-host sandbox Slurm (network namespaces)
   charliecloud-runtime squashfuse fuse3   # ch-run: jobs in containers from squashfs files
-  shellcheck curl ca-certificates util-linux
+  shellcheck curl util-linux
   sudo                               # the cache writer's one sudoers line (tests/e2e/test_tenants.py)
-  qemu-user-static binfmt-support    # arm64 (Grace) images built and run here under emulation
   chromium                           # headless: the report page's test
-  python3 python3-venv python3-pip
   g++ python3-dev                    # torch.compile's CPU backend (the trainer's compile test)
 )
 
@@ -40,7 +65,7 @@ log() { printf '[setup] %s\n' "$*" >&2; }
 
 install_packages() {
   local missing=()
-  for pkg in "${PACKAGES[@]}"; do
+  for pkg in "$@"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" \
       || missing+=("$pkg")
   done
@@ -52,12 +77,27 @@ install_packages() {
   fi
 }
 
-make_venv() {
+new_venv() {
   local python=${PYTHON:-python3}
   if [ ! -x .venv/bin/python ]; then
     log "creating .venv with $($python --version)"
     "$python" -m venv .venv
   fi
+}
+
+# A build host's imgpipe: the project alone, no test extras, no torch.
+make_build_venv() {
+  new_venv
+  local stamp=.venv/.imgpipe-build-host
+  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    log "installing imgpipe (editable) into .venv"
+    .venv/bin/pip install -q --disable-pip-version-check -e .
+    touch "$stamp"
+  fi
+}
+
+make_venv() {
+  new_venv
   # Reinstall only when the project's requirements changed.
   local stamp=.venv/.imgpipe-installed
   if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] \
@@ -110,7 +150,60 @@ static_checks() {
   .venv/bin/lint-imports --no-cache
 }
 
-install_packages
+# Every wheel imgpipe needs on a node of each architecture, from PyPI (or the pip mirror the
+# build host's pip configuration names): binary wheels only, checked to resolve offline.
+node_wheels() {
+  local python=${PYTHON:-} version=${PYTHON_VERSION:-3.11} out=dist/nodes
+  if [ -z "$python" ]; then
+    python=python3
+    if [ -x .venv/bin/python ]; then python=.venv/bin/python; fi
+  fi
+  rm -rf "$out.partial"
+  mkdir -p "$out.partial/wheel"
+  log "building imgpipe's wheel"
+  "$python" -m pip wheel -q --disable-pip-version-check --no-deps -w "$out.partial/wheel" .
+  local wheel arch glibc tags
+  wheel=$(ls "$out.partial"/wheel/imgpipe-*.whl)
+  for arch in x86_64 aarch64; do
+    tags=()
+    for glibc in $(seq 17 36); do tags+=(--platform "manylinux_2_${glibc}_$arch"); done
+    tags+=(--platform "manylinux2014_$arch")
+    if [ "$arch" = x86_64 ]; then
+      tags+=(--platform manylinux1_x86_64 --platform manylinux2010_x86_64)
+    fi
+    log "downloading the wheels for $arch nodes (CPython $version)"
+    "$python" -m pip download -q --disable-pip-version-check --only-binary=:all: \
+      --implementation cp --python-version "$version" "${tags[@]}" \
+      -d "$out.partial/$arch" "$wheel"
+    cp "$wheel" "$out.partial/$arch/"
+    # the set must be complete: resolved again from the folder alone, for that platform
+    "$python" -m pip install -q --disable-pip-version-check --dry-run --ignore-installed \
+      --no-index --find-links "$out.partial/$arch" --only-binary=:all: --implementation cp \
+      --python-version "$version" "${tags[@]}" --target "$out.partial/check" imgpipe
+  done
+  rm -rf "$out.partial/wheel" "$out.partial/check" "$out"
+  mv "$out.partial" "$out"
+  log "done: $out/x86_64 and $out/aarch64; on a node: python3 -m venv /opt/imgpipe &&" \
+    "/opt/imgpipe/bin/pip install --no-index --find-links $out/\$(uname -m) imgpipe"
+}
+
+case "$mode" in
+  node-wheels) node_wheels; exit 0 ;;
+  build-host)
+    if [ "$(id -u)" -ne 0 ]; then echo "setup.sh build-host: run it as root" >&2; exit 2; fi
+    case "${2:-}" in
+      "") install_packages "${BUILD_HOST_PACKAGES[@]}" ;;
+      --arm64) install_packages "${BUILD_HOST_PACKAGES[@]}" "${EMULATION_PACKAGES[@]}"
+               enable_emulation ;;
+      *) echo "usage: $0 build-host [--arm64]" >&2; exit 2 ;;
+    esac
+    make_build_venv
+    log "done: .venv/bin/imgpipe doctor (the engine must run: systemctl enable --now docker)"
+    exit 0
+    ;;
+esac
+
+install_packages "${PACKAGES[@]}"
 enable_emulation
 make_venv
 
