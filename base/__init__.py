@@ -13,7 +13,7 @@ from imgpipe.base.lazy import lazy_exports
 
 _HOME = {
     "Settings": "imgpipe.base.config",
-    "load_settings": "imgpipe.base.config",
+    "load_settings": "imgpipe.base.configlayers",
     "CommandError": "imgpipe.base.errors",
     "ConfigError": "imgpipe.base.errors",
     "ImgpipeError": "imgpipe.base.errors",

@@ -160,7 +160,7 @@ def install_both_ways(repeat: int, emulated: bool) -> dict[str, dict[str, list[f
 def sizes() -> dict[str, dict[str, float]]:
     """Each platform's image as the lock pins it: bytes and layers in the engine, pushed
     (compressed) bytes, squashfs bytes."""
-    from imgpipe.base.config import load_settings
+    from imgpipe.base.configlayers import load_settings
     from imgpipe.commands.shared.wiring import registry_client
 
     entry = lock_entry()

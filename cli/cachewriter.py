@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     os.umask(0o022)
     from pathlib import Path
 
-    from imgpipe.base.config import parse_settings
+    from imgpipe.base.configlayers import parse_settings
     from imgpipe.base.errors import ImgpipeError
     from imgpipe.base.terminal import safe_line
     from imgpipe.commands.node.cachewriter import write_shared

@@ -27,7 +27,7 @@ def invocation(ctx: click.Context) -> Invocation:
 
 def settings_of(ctx: click.Context) -> Settings:
     """Settings for this run, loaded on first use (so --help works with a broken config)."""
-    from imgpipe.base.config import load_settings
+    from imgpipe.base.configlayers import load_settings
 
     inv = invocation(ctx)
     cached = ctx.meta.get("imgpipe.settings")

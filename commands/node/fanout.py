@@ -28,7 +28,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from imgpipe.base.config import Settings, parse_settings
+from imgpipe.base.config import Settings
+from imgpipe.base.configlayers import parse_settings
 from imgpipe.base.errors import ImgpipeError
 from imgpipe.base.units import human_bytes
 from imgpipe.commands.node.importer import config_file, fast_get, get, say

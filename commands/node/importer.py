@@ -201,7 +201,8 @@ def is_foreign(uri: str) -> bool:
     if quick is None:
         from pathlib import Path
 
-        from imgpipe.base.config import Settings, parse_settings
+        from imgpipe.base.config import Settings
+        from imgpipe.base.configlayers import parse_settings
 
         path = config_file()
         settings = parse_settings(Path(path)) if path else Settings()
@@ -268,7 +269,8 @@ def say(text: str) -> None:
 def get(uri: str) -> Path:
     from pathlib import Path
 
-    from imgpipe.base.config import Settings, parse_settings
+    from imgpipe.base.config import Settings
+    from imgpipe.base.configlayers import parse_settings
     from imgpipe.commands.shared.wiring import registry_client, storage
     from imgpipe.enroot.convert import convert, require_served
     from imgpipe.enroot.published.policy import PublishedPolicy

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from imgpipe.base.adminpath import Admins, walk_admin_folder
-from imgpipe.base.config import SITE_CONFIG, Settings
+from imgpipe.base.config import Settings
+from imgpipe.base.configlayers import SITE_CONFIG
 from imgpipe.base.errors import ConfigError
 from imgpipe.base.files import atomic_write
 from imgpipe.enroot.nodeconfig import (

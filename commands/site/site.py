@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from imgpipe.base.adminpath import Admins, walk_admin_folder
-from imgpipe.base.config import SITE_CONFIG, parse_settings
+from imgpipe.base.configlayers import SITE_CONFIG, parse_settings
 from imgpipe.base.errors import ConfigError
 from imgpipe.base.files import atomic_write
 from imgpipe.commands.site.nccl import site_profile

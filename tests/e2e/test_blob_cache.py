@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from imgpipe.base.config import Settings, parse_settings
+from imgpipe.base.config import Settings
+from imgpipe.base.configlayers import parse_settings
 from imgpipe.commands.shared.wiring import registry_client
 from tests import services
 from tests.conftest import CliRun

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from imgpipe.base.config import parse_settings
+from imgpipe.base.configlayers import parse_settings
 from imgpipe.base.errors import ConfigError
 from imgpipe.registry.blobcacheconf import NginxLayout, render
 from imgpipe.registry.cacheroute import BLOB_PATH, BlobCacheRoute

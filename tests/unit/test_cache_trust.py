@@ -110,7 +110,7 @@ def test_text_other_users_wrote_reaches_a_terminal_escaped() -> None:
 
 
 def test_doctor_names_what_was_planted_in_the_cache(tmp_path: Path) -> None:
-    from imgpipe.base.config import load_settings
+    from imgpipe.base.configlayers import load_settings
     from imgpipe.commands.site.doctor import check_cache
 
     cache = shared_cache(tmp_path, 0)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from imgpipe.base.config import load_settings
+from imgpipe.base.configlayers import load_settings
 from imgpipe.base.errors import ConfigError
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from imgpipe.base.config import load_settings, parse_settings
+from imgpipe.base.configlayers import load_settings, parse_settings
 from imgpipe.base.errors import ConfigError
 from imgpipe.commands.site.config import effective_keys
 

@@ -75,7 +75,7 @@ def test_the_configured_version_speaks_for_the_nodes(cli: CliRun, enroot_on_path
 def test_doctor_reports_the_enroot_version_and_what_follows(cli: CliRun, enroot_on_path,
                                                             version: str, status: str,
                                                             words: str) -> None:
-    from imgpipe.base.config import load_settings
+    from imgpipe.base.configlayers import load_settings
     from imgpipe.commands.site.doctor import check_enroot
 
     enroot_on_path(version)

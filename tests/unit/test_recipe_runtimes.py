@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from imgpipe.base.config import load_settings
+from imgpipe.base.configlayers import load_settings
 from imgpipe.enroot.nodeconfig import detect_pyxis, parse_version, render
 from imgpipe.recipes.ncclscript import check_program
 from imgpipe.recipes.profiles import load_profile

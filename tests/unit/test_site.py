@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from imgpipe.base.config import load_settings
+from imgpipe.base.configlayers import load_settings
 from imgpipe.recipes.profilecheck import NodeFacts, check
 from imgpipe.recipes.profiles import load_profile
 
