@@ -7,7 +7,7 @@ could leave out.
 
      host pip      what ``imgpipe build`` does (image.yaml's python:): pip on this host
                    resolves the platform's wheels (``--platform``), unpacks them and compiles
-                   them (``imgpipe.pipeline.hostpip.stage_site`` into an empty folder);
+                   them (``imgpipe.pipeline.hostsite.stage_site`` into an empty folder);
      emulated pip  the way before: ``python3 -m venv`` and ``pip install`` in a container of
                    the platform's base, for arm64 under qemu as a RUN step of an arm64 build
                    runs (qemu's default CPU, as BuildKit starts it), into a host folder.
@@ -68,7 +68,8 @@ def _bert() -> tuple[object, object, list[str]]:
     """bert's python: spec, pip as a build runs it here, and its requirements (the trainer
     as the wheel a build made of it)."""
     from imgpipe.pipeline.catalog import load_image
-    from imgpipe.pipeline.hostpip import HostPip, requirements
+    from imgpipe.pipeline.hostpip import HostPip
+    from imgpipe.pipeline.hostresolve import requirements
 
     image = load_image(ROOT / "images" / "bert")
     spec = image.flavor("cpu").python
@@ -87,7 +88,8 @@ def wheel_files(platform: str, into: Path, work: Path) -> list[str]:
     disk: the wheel cache or the folder pip found them in), linked into ``into``; their pip
     requirements."""
     from imgpipe.base.platforms import Platform
-    from imgpipe.pipeline.hostpip import chosen, fetch, needed_on, resolve
+    from imgpipe.pipeline.hostresolve import chosen, needed_on, resolve
+    from imgpipe.pipeline.hostsite import fetch
 
     spec, pip, wanted = _bert()
     target = Platform.parse(platform)
@@ -107,7 +109,7 @@ def host_pip(platform: str, work: Path) -> float:
     """Seconds for pip on this host to install bert's packages for ``platform`` into an
     empty folder, as ``imgpipe build`` does (resolution, unpacking, bytecode)."""
     from imgpipe.base.platforms import Platform
-    from imgpipe.pipeline.hostpip import stage_site
+    from imgpipe.pipeline.hostsite import stage_site
 
     spec, pip, wanted = _bert()
     context = work / "host"

@@ -30,14 +30,9 @@ from imgpipe.base.progress import Progress
 from imgpipe.pipeline.catalog import Image, PythonPackages
 from imgpipe.pipeline.context import stage_context, sync_context, wheels_in
 from imgpipe.pipeline.gitinfo import Revision
-from imgpipe.pipeline.hostpip import (
-    HostPip,
-    Site,
-    choice_line,
-    local_wheels,
-    requirements,
-    stage_site,
-)
+from imgpipe.pipeline.hostpip import HostPip, local_wheels
+from imgpipe.pipeline.hostresolve import requirements
+from imgpipe.pipeline.hostsite import Site, choice_line, stage_site
 from imgpipe.pipeline.lock import LockFile, WheelPin
 from imgpipe.pipeline.plan import PlanItem, plan_image
 from imgpipe.pipeline.secrets import secret_files

@@ -9,7 +9,7 @@ A staged context is a private copy of the image folder (after .dockerignore)
 plus ``.wheels/``: the wheel directory offered for air-gapped sites (empty
 when none), which Dockerfiles bind-mount in the RUN steps that install Python
 packages; and ``.python/``: the Python packages pip installed on the build host
-for the platform being built (``imgpipe.pipeline.hostpip``; empty for a flavor
+for the platform being built (``imgpipe.pipeline.hostsite``; empty for a flavor
 without ``python:``), which Dockerfiles copy into their virtual environment.
 Staging keeps the user's folder untouched.
 """

@@ -1,7 +1,8 @@
 """Which torch a cpu build takes, chosen by pip on the build host for each platform
-(imgpipe.pipeline.hostpip): the +cpu wheel where one is offered, else the index's build of
-the same version with its CUDA wheels; every wheel pinned by file and sha256; wheels the
-target's markers do not want left out, and one they want that pip left out refused.
+(imgpipe.pipeline.hostpip, hostresolve and hostsite): the +cpu wheel where one is offered,
+else the index's build of the same version with its CUDA wheels; every wheel pinned by file
+and sha256; wheels the target's markers do not want left out, and one they want that pip
+left out refused.
 
 pip really runs here, against wheels made by the test (a folder, or a folder served over
 HTTP by a server the test starts), with its configuration given as the build's pip_config
@@ -27,15 +28,9 @@ from imgpipe.base.errors import ConfigError, ImgpipeError
 from imgpipe.base.platforms import Platform, host_platform
 from imgpipe.pipeline.catalog import PythonPackages, load_image
 from imgpipe.pipeline.context import context_files, sync_context
-from imgpipe.pipeline.hostpip import (
-    HostPip,
-    Site,
-    choice_line,
-    local_wheels,
-    platform_tags,
-    requirements,
-    stage_site,
-)
+from imgpipe.pipeline.hostpip import HostPip, local_wheels, platform_tags
+from imgpipe.pipeline.hostresolve import requirements
+from imgpipe.pipeline.hostsite import Site, choice_line, stage_site
 from imgpipe.pipeline.lock import LockEntry, WheelPin
 from imgpipe.pipeline.remote import _wheels
 from tests.wheels import make_wheel
