@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -15,8 +16,11 @@ from imgpipe.cli.clikit import CONTEXT, invocation, parsed_by, reporting, settin
 from imgpipe.cli.output import Result
 from imgpipe.commands.builds.convert import Conversion, convert_and_record
 from imgpipe.commands.registry.published import verify
+from imgpipe.commands.site.nodeconfig import ACCEPTED_NAMES, node_setup, parse_version
 from imgpipe.commands.site.nodeconfig import make_cache as setup_cache
-from imgpipe.commands.site.nodeconfig import node_setup, parse_version
+
+if TYPE_CHECKING:
+    from imgpipe.commands.site.nodecheck import NodePlan
 
 COMPRESSION = click.Choice(["zstd", "lz4", "lzo-enroot", "none"])
 
@@ -117,11 +121,22 @@ convert_command.name = "convert"
               "only what imgpipe needs there, as a diff; lines that would change the site's "
               "existing jobs are marked.")
 @click.option("--apply", "apply", is_flag=True, help="As root: write imgpipe's own files that "
-              "--check found missing (the site config, the importer link, a Pyxis line where "
-              "there is none), keeping a backup of each file replaced.  Idempotent.")
-@click.option("--accept", type=click.Choice(["importer"]), multiple=True,
-              help="With --apply: also make this change to the site's own file "
-              "(importer: add importer= to the site's Pyxis line).")
+              "--check found missing (the site config, the importer link) and what --accept "
+              "names, recording each file replaced or made.  Idempotent: a second run "
+              "changes nothing.")
+@click.option("--accept", type=click.Choice(list(ACCEPTED_NAMES)), multiple=True,
+              help="Take a line that changes the site's existing jobs (repeat for more): "
+              "pyxis (a Pyxis line where the plugstack loads none), importer (importer= on "
+              "the Pyxis line), container_scope (container_scope=job), squashfuse "
+              "(use_squashfuse=1).  Without it each is printed commented out, marked.")
+@click.option("--rollback", is_flag=True, help="As root: put back the files the last --apply "
+              "replaced, and remove the ones it made (then restart slurmd).")
+@click.option("--plugstack", default=None, metavar="FILE", help="The plugstack slurmd reads "
+              "(default: PlugStackConfig in slurm.conf, else plugstack.conf beside it).")
+@click.option("--venv", "node_venv", type=click.Path(file_okay=False, path_type=Path),
+              default=None, help="With --check/--apply: the node's imgpipe venv the importer "
+              "link names (default: this imgpipe's on the node itself; /opt/imgpipe in a "
+              "node image given with --root).")
 @click.option("--site-config", type=click.Path(dir_okay=False, exists=True, path_type=Path),
               default=None, help="With --check/--apply: the site config the node should "
               "have in /etc/imgpipe/imgpipe.yaml.")
@@ -133,16 +148,18 @@ def node_config(ctx: click.Context, pyxis_version: tuple[int, int, int] | None,
                 pyxis_plugin: str | None,
                 enroot_path: str | None, importer: str | None, no_squashfuse: bool,
                 make_cache: str | None, group: str | None, check: bool, apply: bool,
-                accept: tuple[str, ...], site_config: Path | None, node_root: Path) -> Result:
+                accept: tuple[str, ...], rollback: bool, plugstack: str | None,
+                node_venv: Path | None, site_config: Path | None, node_root: Path) -> Result:
     """Print what compute nodes need for imgpipe, and check or set up a node.
 
-    Only imgpipe's own files are needed (the site config, the importer, its Pyxis option);
-    lines that would change what a cluster's existing jobs do (ENROOT_ALLOW_HTTP,
-    SSL_CERT_FILE, importer= on the site's own Pyxis line) are marked, with the choice that
-    leaves them as they are.  The plugstack line follows the nodes' Pyxis: importer= only
-    for 0.21 and newer (older Pyxis fails on it), container_scope=job only where Pyxis's
-    cleanup finds enroot, use_squashfuse=1 from 0.22.  With importer=, images of other
-    registries (nvcr.io, Docker Hub) are imported by enroot exactly as without it.
+    Only imgpipe's own files are needed (the site config, the importer link); every line
+    that would change what a cluster's existing jobs do (ENROOT_ALLOW_HTTP, SSL_CERT_FILE, a
+    Pyxis line, importer=, container_scope=job, use_squashfuse=1) is printed commented out
+    and marked with what it changes, unless --accept names it.  The options follow the
+    nodes' Pyxis: importer= only for 0.21 and newer (older Pyxis fails on it),
+    container_scope=job only where Pyxis's cleanup finds enroot, use_squashfuse=1 from
+    0.22.  With importer=, images of other registries (nvcr.io, Docker Hub) are imported by
+    enroot as Pyxis would, into Pyxis's runtime folder, removed when the step ends.
 
     \b
     Examples:
@@ -150,14 +167,24 @@ def node_config(ctx: click.Context, pyxis_version: tuple[int, int, int] | None,
       imgpipe node-config --check                     # on a node: a diff of what it lacks
       imgpipe node-config --apply                     # as root: imgpipe's own files only
       imgpipe node-config --apply --accept importer   # and importer= on the site's line
+      imgpipe node-config --rollback                  # as root: the last --apply undone
       imgpipe node-config --make-cache /lustre/imgpipe/squashfs
     """
     if make_cache is not None:
         return _make_cache(ctx, make_cache, group)
+    if rollback:
+        from imgpipe.commands.site.nodebackup import rollback as roll_back
+
+        done = roll_back(node_root)
+        return Result({"rolled_back": done}, done)
     if check or apply:
-        return _check_or_apply(ctx, apply, frozenset(accept), site_config, node_root)
+        from imgpipe.commands.site.nodecheck import NodePlan
+
+        return _check_or_apply(ctx, apply, NodePlan(node_root, site_config, plugstack,
+                                                    node_venv, frozenset(accept)))
     rendered = node_setup(settings_of(ctx), pyxis_version, pyxis_plugin, enroot_path, importer,
-                          squashfuse=not no_squashfuse)
+                          squashfuse=not no_squashfuse, accept=frozenset(accept),
+                          plugstack=plugstack)
     text = rendered.enroot_conf + "\n" + rendered.plugstack_conf + "\n" + rendered.install
     if rendered.credentials:
         text += "\n" + rendered.credentials
@@ -170,14 +197,13 @@ def node_config(ctx: click.Context, pyxis_version: tuple[int, int, int] | None,
                    "importer": rendered.importer_path}, text.rstrip("\n").splitlines())
 
 
-def _check_or_apply(ctx: click.Context, apply: bool, accept: frozenset[str],
-                    site_config: Path | None, root: Path) -> Result:
+def _check_or_apply(ctx: click.Context, apply: bool, plan: NodePlan) -> Result:
     from imgpipe.commands.site.nodecheck import apply_node, check_node
 
     settings = settings_of(ctx)
-    done = apply_node(settings, root, site_config, accept) if apply else None
-    checked = check_node(settings, root, site_config)
-    lines = []
+    done = apply_node(settings, plan) if apply else None
+    checked = check_node(settings, plan)
+    lines = [f"plugstack: {checked.plugstack[0]} ({checked.plugstack[1]})"]
     for finding in checked.findings:
         whose = "imgpipe's" if finding.ours else "the site's"
         lines.append(f"{finding.file} ({whose}): {finding.verdict}")
@@ -186,6 +212,8 @@ def _check_or_apply(ctx: click.Context, apply: bool, accept: frozenset[str],
             lines.append(f"  ! changes existing jobs: {finding.affects}")
             if finding.safer:
                 lines.append(f"  ! safer: {finding.safer}")
+            if finding.accept and finding.accept not in plan.accept:
+                lines.append(f"  ! written only with --accept {finding.accept}")
     if done is not None:
         lines += done or ["nothing to do: the node has what imgpipe needs"]
     else:

@@ -125,7 +125,6 @@ class Change:
     safer: str = ""  # the choice that leaves them as they are
 
 
-PLUGSTACK_FILE = "/etc/slurm/plugstack.conf.d/pyxis.conf"
 ENROOT_CONF = "/etc/enroot/enroot.conf"
 SITE_CONFIG_FILE = "/etc/imgpipe/imgpipe.yaml"
 IMPORTER_AFFECTS = ("every job's --container-image then goes through imgpipe's importer: "
@@ -151,30 +150,52 @@ def _registry_lines(settings: Settings) -> list[Change]:
     return []
 
 
+@dataclass(frozen=True)
+class PyxisOption:
+    """A plugstack option that changes what the site's existing jobs do: offered commented
+    out, with what it changes, unless ``--accept NAME`` takes it."""
+
+    option: str  # as it goes on the line: importer=/usr/local/bin/imgpipe-pyxis-importer
+    name: str  # what --accept names: importer | container_scope | squashfuse
+    affects: str
+
+
+CONTAINER_SCOPE_AFFECTS = ("a --container-name container no longer outlives its job: Pyxis "
+                           "removes the job's containers when it ends (its default, global, "
+                           "keeps them for later jobs)")
+SQUASHFUSE_AFFECTS = ("jobs mount their image read-only through squashfuse instead of unpacking "
+                      "it: a step that writes into the image's own root fails "
+                      "(--container-name/--container-save steps still unpack)")
+ACCEPTED_NAMES = ("pyxis", "importer", "container_scope", "squashfuse")
+
+
 def _pyxis_options(settings: Settings, importer_path: str, pyxis_version: Version | None,
                    enroot_path: str | None, squashfuse: bool, mounting: bool,
-                   notes: list[str]) -> list[str]:
-    """Pyxis's plugstack options for a node without a Pyxis line yet; notes for the site."""
-    options = ["runtime_path=/run/pyxis"]
+                   notes: list[str]) -> tuple[list[str], list[PyxisOption]]:
+    """Pyxis's plugstack options for a node without a Pyxis line yet: the ones that leave
+    jobs as Pyxis's defaults would run them, and the ones that change them (marked); notes
+    for the site."""
+    options = ["runtime_path=/run/pyxis", "sbatch_support=1"]  # both Pyxis's defaults
+    marked: list[PyxisOption] = []
     if pyxis_version is None:
         notes.append("Pyxis version unknown (no spank_pyxis.so found; pass --pyxis-version): "
                      "importer= left out, since Pyxis < 0.21 fails on it")
     elif pyxis_version >= IMPORTER_SINCE:
-        options.append(f"importer={importer_path}")
+        marked.append(PyxisOption(f"importer={importer_path}", "importer", IMPORTER_AFFECTS))
     else:
         notes.append(f"Pyxis {_show(pyxis_version)} has no importer= (0.21+): jobs use "
                      "squashfs paths from the recipes")
     enroot_dir = str(Path(enroot_path).parent) if enroot_path else None
     if enroot_dir in CLEANUP_PATH:
-        options.append("container_scope=job")
+        marked.append(PyxisOption("container_scope=job", "container_scope",
+                                  CONTAINER_SCOPE_AFFECTS))
     else:
         where = enroot_path or "not found on this PATH"
-        options.append("container_scope=global")
         notes.append(f"enroot is {where}: container_scope=job would make Pyxis's end-of-job "
-                     "cleanup (PATH=/usr/local/bin:/usr/bin:/bin) fail and drain the node")
-    options.append("sbatch_support=1")
+                     "cleanup (PATH=/usr/local/bin:/usr/bin:/bin) fail and drain the node; "
+                     "Pyxis's default (global) stays")
     if mounting and pyxis_version is not None:
-        options.append("use_squashfuse=1")
+        marked.append(PyxisOption("use_squashfuse=1", "squashfuse", SQUASHFUSE_AFFECTS))
         if pyxis_version < SQUASHFUSE_IMPORTER_SINCE:
             notes.append(f"Pyxis {_show(pyxis_version)}: use_squashfuse applies to squashfs "
                          "paths only (importer images too from 0.24)")
@@ -186,7 +207,50 @@ def _pyxis_options(settings: Settings, importer_path: str, pyxis_version: Versio
     elif squashfuse and pyxis_version is not None:
         notes.append(f"Pyxis {_show(pyxis_version)} has no use_squashfuse (0.22+): every "
                      "job unpacks its image first (tens of seconds for a GB image)")
-    return options
+    return options, marked
+
+
+def pyxis_line(pyxis_so: str, options: list[str], marked: list[PyxisOption],
+               accept: frozenset[str]) -> str:
+    """The ``required`` line: Pyxis's defaults plus the marked options ``accept`` names."""
+    taken = [m.option for m in marked if m.name in accept]
+    return " ".join(["required", pyxis_so, *options, *taken])
+
+
+def marked_lines(marked: list[PyxisOption], accept: frozenset[str]) -> list[str]:
+    """The options left out, each a comment saying what it would change and how to take it."""
+    return [f"# option, changes existing jobs: {m.affects} (take it: --accept {m.name}):\n"
+            f"#   {m.option}" for m in marked if m.name not in accept]
+
+
+SLURM_CONF_CANDIDATES = ("/etc/slurm/slurm.conf", "/etc/slurm-llnl/slurm.conf",
+                         "/usr/local/etc/slurm.conf")
+
+
+def find_plugstack(root: Path = Path("/")) -> tuple[str, str]:
+    """(the plugstack file slurmd reads, how that was learnt), the way slurmd finds it:
+    slurm.conf's ``PlugStackConfig``, else ``plugstack.conf`` beside slurm.conf (Slurm's
+    configuration folder: /etc/slurm, /etc/slurm-llnl on older Debian packages).  slurm.conf
+    is ``$SLURM_CONF`` on this host, else the first of SLURM_CONF_CANDIDATES."""
+    import os
+
+    conf: Path | None = None
+    if root == Path("/") and os.environ.get("SLURM_CONF"):
+        conf = Path(os.environ["SLURM_CONF"])
+    else:
+        conf = next((Path(c) for c in SLURM_CONF_CANDIDATES
+                     if (root / c.lstrip("/")).is_file()), None)
+    if conf is None:
+        return "/etc/slurm/plugstack.conf", "Slurm's default (no slurm.conf found)"
+    try:
+        text = (root / str(conf).lstrip("/")).read_text(errors="replace")
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        key, _, value = line.split("#", 1)[0].strip().partition("=")
+        if key.strip().lower() == "plugstackconfig" and value.strip():
+            return value.strip(), f"PlugStackConfig in {conf}"
+    return str(conf.parent / "plugstack.conf"), f"beside {conf} (no PlugStackConfig there)"
 
 
 def cache_lines(squashfs: Path, distribution: str) -> list[str]:
@@ -223,30 +287,34 @@ def install_lines(squashfs: Path, distribution: str = "shared") -> list[str]:
 
 def render(settings: Settings, importer_path: str, pyxis_version: Version | None = None,
            pyxis_so: str = PYXIS_SO_CANDIDATES[0], enroot_path: str | None = None,
-           squashfuse: bool = True) -> NodeConfig:
+           squashfuse: bool = True, accept: frozenset[str] = frozenset(),
+           plugstack: tuple[str, str] = ("/etc/slurm/plugstack.conf",
+                                         "Slurm's default")) -> NodeConfig:
     """What a node needs, for a node without a Pyxis line yet (``check`` compares with a
     node's own files).  Only imgpipe's own files are needed; lines that would change the
-    site's Enroot for every user are options, marked."""
+    site's jobs (Enroot's settings, Pyxis's options) are commented out and marked unless
+    ``accept`` names them."""
     squashfs = settings.path(settings.outputs.squashfs_dir).resolve()
     notes: list[str] = []
     mounting = squashfuse and pyxis_version is not None and pyxis_version >= SQUASHFUSE_SINCE
-    options = _pyxis_options(settings, importer_path, pyxis_version, enroot_path, squashfuse,
-                             mounting, notes)
+    options, marked = _pyxis_options(settings, importer_path, pyxis_version, enroot_path,
+                                     squashfuse, mounting, notes)
+    line = pyxis_line(pyxis_so, options, marked, accept)
     changes = [
         Change(SITE_CONFIG_FILE, "(the site config, from imgpipe site init)", True, True),
         Change(importer_path, f"-> {SYSTEM_VENV}/bin/imgpipe-pyxis-importer", True, True),
-        Change(PLUGSTACK_FILE, f"required {pyxis_so} {' '.join(options)}", False, True,
-               IMPORTER_AFFECTS if any(o.startswith("importer=") for o in options) else "",
+        Change(plugstack[0], line, False, True,
+               IMPORTER_AFFECTS if "importer" in accept else "",
                "without importer=, the recipes pin squashfs paths (imgpipe convert on the "
                "login node) and nothing of Pyxis changes"),
         *_registry_lines(settings),
     ]
     enroot = [f"# option, {c.affects} ({c.safer}):\n#{c.line}" for c in changes
               if c.file == ENROOT_CONF]
-    plugstack = [f"# {PLUGSTACK_FILE}"
-                 + (f" (Pyxis {_show(pyxis_version)})" if pyxis_version else ""),
-                 f"required {pyxis_so} {' '.join(options)}",
-                 *[f"# note: {note}" for note in notes]]
+    text = [f"# {plugstack[0]} ({plugstack[1]}), where the node has no Pyxis line yet"
+            + (f" (Pyxis {_show(pyxis_version)})" if pyxis_version else "")
+            + "; node-config --apply writes it only with --accept pyxis",
+            line, *marked_lines(marked, accept), *[f"# note: {note}" for note in notes]]
     registry = settings.registry
     credentials = [
         "# The job user's own credentials for imgpipe's registry: the importer reads",
@@ -254,7 +322,7 @@ def render(settings: Settings, importer_path: str, pyxis_version: Version | None
     ] if registry.credentials.source != "none" else []
     enroot_text = ["# /etc/enroot/enroot.conf: nothing is needed (the importer fetches from "
                    "imgpipe's registry itself)", *enroot]
-    return NodeConfig("\n".join(enroot_text) + "\n", "\n".join(plugstack) + "\n",
+    return NodeConfig("\n".join(enroot_text) + "\n", "\n".join(text) + "\n",
                       "\n".join(credentials) + ("\n" if credentials else ""),
                       importer_path, "\n".join(install_lines(
                           squashfs, settings.enroot.distribution)) + "\n",

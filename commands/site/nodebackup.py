@@ -88,7 +88,8 @@ def rollback(root: Path) -> list[str]:
         raise ConfigError(f"nothing to roll back: no run of node-config --apply is recorded "
                           f"under {_under(root, BACKUPS)}")
     done = []
-    for copy in sorted(p for p in run.rglob("*") if p.name != CREATED and
+    kept = [Path(folder) / name for folder, _, names in os.walk(run) for name in names]
+    for copy in sorted(p for p in kept if p != run / CREATED and
                        (p.is_symlink() or p.is_file())):
         target = root / copy.relative_to(run)
         walk_folder(target.parent)

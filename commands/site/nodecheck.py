@@ -1,46 +1,49 @@
 """`imgpipe node-config --check | --apply`: a node that already runs Pyxis and Enroot, against
 what imgpipe needs.
 
-``--check`` reads the node's own files (plugstack.conf and what it includes, enroot.conf, the
-Pyxis plugin's version, the importer link, /etc/imgpipe) and says, as a diff per file, only
-what imgpipe needs there; a line that would change what the site's existing jobs do is marked,
-with the choice that leaves them as they are.  ``--apply`` writes imgpipe's own files (the
-site config, the importer link, a Pyxis line where the node has none) and, only when asked
-with ``--accept importer``, adds ``importer=`` to the site's own Pyxis line.  Every file it
-replaces is kept under ``/var/lib/imgpipe/backups/STAMP/``; a second run changes nothing.
-``--root DIR`` reads and writes a node image instead of this host (a chroot).
+``--check`` reads the node's own files (the plugstack slurmd reads and what it includes,
+enroot.conf, the Pyxis plugin's version, the importer link and whether a job user can run it,
+/etc/imgpipe, the registry's CA) and says, as a diff per file, only what imgpipe needs there;
+a line that would change what the site's existing jobs do is marked, with the choice that
+leaves them as they are.  ``--apply`` writes imgpipe's own files (the site config, the
+importer link) and, only when ``--accept`` names it, a change to the site's jobs: a Pyxis line
+where the plugstack loads none (``pyxis``, with ``importer``/``container_scope``/``squashfuse``
+for its options), or ``importer=`` on the site's own line (``importer``).  Nothing is written
+where slurmd would not read it; each run's backups are kept (``nodebackup``) and a second run
+changes nothing.  ``--root DIR`` reads and writes a node image instead of this host.
 """
 
 from __future__ import annotations
 
 import filecmp
+import fnmatch
 import glob
 import os
-import shutil
+import stat
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from imgpipe.base.adminpath import Admins, walk_admin_folder
 from imgpipe.base.config import Settings
 from imgpipe.base.configlayers import SITE_CONFIG
 from imgpipe.base.errors import ConfigError
 from imgpipe.base.files import atomic_write
+from imgpipe.commands.site.nodebackup import Backup, walk_folder
 from imgpipe.enroot.nodeconfig import (
     IMPORTER_AFFECTS,
     IMPORTER_SINCE,
-    PLUGSTACK_FILE,
     PYXIS_SO_CANDIDATES,
+    SYSTEM_VENV,
     Version,
     detect_pyxis,
+    find_plugstack,
     importer_path,
+    pyxis_line,
 )
 
-__all__ = ["Finding", "NodeCheck", "apply_node", "check_node"]
+__all__ = ["Finding", "NodeCheck", "NodePlan", "apply_node", "check_node"]
 
-PLUGSTACK = "/etc/slurm/plugstack.conf"
-BACKUPS = "/var/lib/imgpipe/backups"
+IMPORTER_NAME = "imgpipe-pyxis-importer"
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ class Finding:
     diff: list[str] = field(default_factory=list)
     affects: str = ""  # how the change would alter the site's existing jobs
     safer: str = ""
+    accept: str = ""  # the --accept name that lets --apply write it ("" for imgpipe's own)
 
 
 @dataclass(frozen=True)
@@ -60,20 +64,36 @@ class NodeCheck:
     root: Path
     pyxis: tuple[str, Version] | None
     findings: list[Finding]
+    plugstack: tuple[str, str]  # the file slurmd reads, and how that was learnt
 
     @property
     def needed(self) -> list[Finding]:
         return [f for f in self.findings if f.verdict in ("missing", "differs")]
 
 
+@dataclass(frozen=True)
+class NodePlan:
+    """What the check compares with: where things are on this node, as the admin said."""
+
+    root: Path = Path("/")
+    site_config: Path | None = None
+    plugstack: str | None = None  # --plugstack: else found as slurmd finds it
+    venv: Path | None = None  # --venv: the node's imgpipe; else this one (root /) or /opt/imgpipe
+    accept: frozenset[str] = frozenset()
+
+
 def _under(root: Path, path: str) -> Path:
     return root / path.lstrip("/")
 
 
-def pyxis_lines(root: Path) -> list[tuple[Path, int, str]]:
+def _shown(root: Path, path: Path) -> str:
+    return "/" + str(path.relative_to(root)).lstrip("/")
+
+
+def pyxis_lines(root: Path, plugstack: str) -> list[tuple[Path, int, str]]:
     """Every plugstack line that loads Pyxis: (file, line number, line), includes followed."""
     found: list[tuple[Path, int, str]] = []
-    pending, seen = [_under(root, PLUGSTACK)], set()
+    pending, seen = [_under(root, plugstack)], set()
     while pending:
         path = pending.pop(0)
         if path in seen or not path.is_file():
@@ -89,22 +109,44 @@ def pyxis_lines(root: Path) -> list[tuple[Path, int, str]]:
     return found
 
 
-def _importer_target() -> Path:
-    """This imgpipe's importer: what the node's link should name."""
-    return Path(sys.executable).parent / "imgpipe-pyxis-importer"
+def new_line_target(root: Path, plugstack: str) -> str:
+    """Where a new Pyxis line is read: ``pyxis.conf`` in the folder the plugstack's first
+    ``include`` names (when its pattern takes that name), else the plugstack itself."""
+    try:
+        text = _under(root, plugstack).read_text(errors="replace")
+    except OSError:
+        return plugstack
+    for line in text.splitlines():
+        words = line.split("#", 1)[0].split()
+        if len(words) >= 2 and words[0] == "include":
+            folder, pattern = os.path.split(words[1])
+            if not glob.has_magic(folder) and fnmatch.fnmatch("pyxis.conf", pattern):
+                return os.path.join(folder, "pyxis.conf")
+    return plugstack
 
 
-def check_node(settings: Settings, root: Path = Path("/"),
-               site_config: Path | None = None) -> NodeCheck:
-    """What this node (or the node image at ``root``) lacks of what imgpipe needs; the site
-    config it should have is ``site_config``, by default this host's."""
+def importer_target(plan: NodePlan) -> Path:
+    """The importer the node's link should name: --venv's, this imgpipe's on the node itself,
+    else the system-wide venv the install lines make (a node image)."""
+    if plan.venv is not None:
+        return plan.venv / "bin" / IMPORTER_NAME
+    if plan.root == Path("/"):
+        return Path(sys.executable).parent / IMPORTER_NAME
+    return Path(SYSTEM_VENV) / "bin" / IMPORTER_NAME
+
+
+def check_node(settings: Settings, plan: NodePlan = NodePlan()) -> NodeCheck:
+    """What this node (or the node image at ``plan.root``) lacks of what imgpipe needs."""
+    root = plan.root
+    site_config = plan.site_config
     if site_config is None and SITE_CONFIG.is_file():
         site_config = SITE_CONFIG
+    plugstack = (plan.plugstack, "--plugstack") if plan.plugstack else find_plugstack(root)
     pyxis = detect_pyxis(tuple(str(_under(root, c)) for c in PYXIS_SO_CANDIDATES))
-    findings = [_site_config(root, site_config), _importer_link(root)]
-    findings.append(_plugstack(root, pyxis))
+    findings = [_site_config(root, site_config), *_ca_file(settings, root),
+                _importer_link(plan), _plugstack(plan, pyxis, plugstack[0])]
     findings += _enroot_conf(settings, root)
-    return NodeCheck(root, pyxis, findings)
+    return NodeCheck(root, pyxis, findings, plugstack)
 
 
 def _site_config(root: Path, source: Path | None) -> Finding:
@@ -119,9 +161,66 @@ def _site_config(root: Path, source: Path | None) -> Finding:
                    [f"+ (a copy of {source})"])
 
 
-def _importer_link(root: Path) -> Finding:
-    link = _under(root, importer_path())
-    target = _importer_target()
+def _ca_file(settings: Settings, root: Path) -> list[Finding]:
+    """The registry's CA, which the site config names but --apply does not copy."""
+    if settings.registry.ca_file is None:
+        return []
+    ca = str(settings.path(settings.registry.ca_file))
+    if _under(root, ca).is_file():
+        return [Finding(ca, "ok", False)]
+    return [Finding(ca, "info", False, [f"  registry.ca_file names {ca}, which this node lacks:"
+                                        " put the registry's CA there (the node image)"])]
+
+
+def runnable_by_others(root: Path, path: Path) -> str | None:
+    """Why a job user (not root, not the owner) could not execute ``path`` inside ``root``,
+    following its links and its script's interpreter; None when one could."""
+    seen = 0
+    current = path
+    while True:
+        seen += 1
+        if seen > 16:
+            return f"{path}: too many links"
+        host = _under(root, str(current))
+        for folder in [*reversed(host.parents)]:
+            if folder == root or root not in (folder, *folder.parents):
+                continue
+            try:
+                info = folder.lstat()
+            except FileNotFoundError:
+                return f"{_shown(root, folder)} does not exist"
+            if stat.S_ISDIR(info.st_mode) and not info.st_mode & 0o001:
+                return f"{_shown(root, folder)} is closed to other users " \
+                       f"(mode {info.st_mode & 0o777:o})"
+        try:
+            info = host.lstat()
+        except FileNotFoundError:
+            return f"{current} does not exist"
+        if stat.S_ISLNK(info.st_mode):
+            current = (current.parent / os.readlink(host))
+            current = Path(os.path.normpath(current))
+            continue
+        if not info.st_mode & 0o001:
+            return f"{current} is not executable by other users (mode {info.st_mode & 0o777:o})"
+        with open(host, "rb") as handle:
+            head = handle.read(256)
+        if head.startswith(b"#!"):
+            interpreter = head[2:].split(b"\n", 1)[0].split()
+            if interpreter and interpreter[0] != str(current).encode():
+                current = Path(interpreter[0].decode(errors="replace"))
+                continue
+        return None
+
+
+def _importer_link(plan: NodePlan) -> Finding:
+    link = _under(plan.root, importer_path())
+    target = importer_target(plan)
+    why = runnable_by_others(plan.root, target)
+    if why is not None:
+        return Finding(importer_path(), "conflict", True,
+                       [f"  -> {target}, which a job user cannot run: {why}",
+                        "  install imgpipe where every user can run it (/opt/imgpipe: "
+                        "imgpipe node-config prints how) or name it with --venv DIR"])
     if link.is_symlink() and os.readlink(link) == str(target):
         return Finding(importer_path(), "ok", True)
     if link.exists() and not link.is_symlink():
@@ -132,24 +231,32 @@ def _importer_link(root: Path) -> Finding:
                    + [f"+ -> {target}"])
 
 
-def _plugstack(root: Path, pyxis: tuple[str, Version] | None) -> Finding:
+def _plugstack(plan: NodePlan, pyxis: tuple[str, Version] | None, plugstack: str) -> Finding:
+    root = plan.root
     wanted = f"importer={importer_path()}"
     if pyxis is None:
-        return Finding(PLUGSTACK_FILE, "info", False, ["  no Pyxis here (spank_pyxis.so): "
-                                                       "jobs run without it"])
+        return Finding(plugstack, "info", False, ["  no Pyxis here (spank_pyxis.so): "
+                                                  "jobs run without it"])
     if pyxis[1] < IMPORTER_SINCE:
-        return Finding(PLUGSTACK_FILE, "info", False, [
+        return Finding(plugstack, "info", False, [
             f"  Pyxis {'.'.join(map(str, pyxis[1]))} has no importer= (0.21+): the recipes "
             "pin squashfs paths instead; nothing to change"])
-    lines = pyxis_lines(root)
+    lines = pyxis_lines(root, plugstack)
     if not lines:
-        return Finding(PLUGSTACK_FILE, "missing", True,
-                       [f"+ required {pyxis[0].removeprefix(str(root).rstrip('/'))} "
-                        f"runtime_path=/run/pyxis {wanted}"], IMPORTER_AFFECTS)
+        target = new_line_target(root, plugstack)
+        taken = {"importer": wanted, "container_scope": "container_scope=job",
+                 "squashfuse": "use_squashfuse=1"}
+        options = [option for name, option in taken.items() if name in plan.accept]
+        line = pyxis_line(pyxis[0].removeprefix(str(root).rstrip("/")),
+                          ["runtime_path=/run/pyxis", *options], [], frozenset())
+        return Finding(target, "missing", False, [f"+ {line}"],
+                       "every srun on the node loads Pyxis"
+                       + (f"; {IMPORTER_AFFECTS}" if wanted in options else ""),
+                       "leave Pyxis off this node", "pyxis")
     path, number, line = lines[0]
-    options = [w for w in line.split("#", 1)[0].split()[2:]]
+    options = line.split("#", 1)[0].split()[2:]
     current = next((o for o in options if o.startswith("importer=")), None)
-    shown = "/" + str(path.relative_to(root)).lstrip("/")
+    shown = _shown(root, path)
     if current == wanted:
         return Finding(shown, "ok", False)
     if current is not None:
@@ -157,7 +264,8 @@ def _plugstack(root: Path, pyxis: tuple[str, Version] | None) -> Finding:
                                                   f"uses {current}: left as it is"])
     return Finding(shown, "differs", False, [f"- {line}", f"+ {line.rstrip()} {wanted}"],
                    IMPORTER_AFFECTS, "leave it out: the recipes then pin squashfs paths "
-                   "(imgpipe convert on the login node), and Pyxis imports as before")
+                   "(enroot.pyxis_importer: false; imgpipe convert on the login node), and "
+                   "Pyxis imports as before", "importer")
 
 
 def _enroot_conf(settings: Settings, root: Path) -> list[Finding]:
@@ -170,58 +278,47 @@ def _enroot_conf(settings: Settings, root: Path) -> list[Finding]:
     return [Finding(ENROOT_CONF, "ok", False, [f"  nothing needed: the site's {kept}", *options])]
 
 
-def apply_node(settings: Settings, root: Path = Path("/"), site_config: Path | None = None,
-               accept: frozenset[str] = frozenset()) -> list[str]:
-    """Write what ``check_node`` found missing in imgpipe's own files (and, with ``accept``
-    naming ``importer``, the site's Pyxis line); each replaced file is kept beside it.
-    Returns what it did, a line each (empty: nothing to do)."""
+def apply_node(settings: Settings, plan: NodePlan = NodePlan()) -> list[str]:
+    """Write what ``check_node`` found missing in imgpipe's own files and, where
+    ``plan.accept`` names it, in the site's; each file replaced or made is recorded for
+    ``--rollback``.  Returns what it did, a line each (empty: nothing to do)."""
+    root = plan.root
     if os.geteuid() != 0 and root == Path("/"):
         raise ConfigError("node-config --apply writes /etc and /usr/local/bin: run it as root")
+    site_config = plan.site_config
     if site_config is None and SITE_CONFIG.is_file():
         site_config = SITE_CONFIG
-    checked = check_node(settings, root, site_config)
-    done = []
-    stamp = time.strftime("%Y%m%d%H%M%S")
+    checked = check_node(settings, plan)
+    backup = Backup(root)
+    done: list[str] = []
     for finding in checked.findings:
         if finding.verdict not in ("missing", "differs"):
             continue
+        if not finding.ours and finding.accept not in plan.accept:
+            continue
         target = _under(root, finding.file)
-        _walk(target.parent)
+        walk_folder(target.parent)
         if finding.file == str(SITE_CONFIG) and site_config is not None:
-            done += _replace(root, target, site_config.read_bytes(), stamp, 0o644)
+            done += backup.keep(target)
+            done.append(f"wrote {atomic_write(target, site_config.read_bytes(), mode=0o644)}")
         elif finding.file == importer_path():
-            target.parent.mkdir(parents=True, exist_ok=True)
+            done += backup.keep(target)
             if target.is_symlink():
                 target.unlink()
-            os.symlink(_importer_target(), target)
-            done.append(f"linked {target} -> {_importer_target()}")
-        elif finding.file == PLUGSTACK_FILE and finding.verdict == "missing":
-            text = f"# imgpipe node-config --apply {stamp}\n{finding.diff[0][2:]}\n"
-            done += _replace(root, target, text.encode(), stamp, 0o644)
-        elif not finding.ours and "importer" in accept:
-            path = _under(root, finding.file)
+            os.symlink(importer_target(plan), target)
+            done.append(f"linked {target} -> {importer_target(plan)}")
+        elif finding.accept == "pyxis":
+            done += backup.keep(target)
+            old = target.read_text() if target.is_file() else ""
+            text = (old + ("\n" if old and not old.endswith("\n") else "")
+                    + "# added by imgpipe node-config --apply --accept pyxis\n"
+                    + finding.diff[0][2:] + "\n")
+            mode = target.stat().st_mode & 0o777 if target.is_file() else 0o644
+            done.append(f"wrote {atomic_write(target, text.encode(), mode=mode)}")
+        elif finding.accept == "importer":
+            done += backup.keep(target)
             old, new = finding.diff[0][2:], finding.diff[1][2:]
-            text = path.read_text().replace(old, new, 1)
-            done += _replace(root, path, text.encode(), stamp, path.stat().st_mode & 0o777)
+            text = target.read_text().replace(old, new, 1)
+            mode = target.stat().st_mode & 0o777
+            done.append(f"wrote {atomic_write(target, text.encode(), mode=mode)}")
     return done
-
-
-def _walk(folder: Path, mode: int = 0o755) -> None:
-    """As root, a folder written in: walked from / without following a link, every folder
-    on the way root's and closed to others (imgpipe.base.adminpath); made where missing."""
-    if os.geteuid() == 0:
-        walk_admin_folder(folder, Admins.of(), create_mode=mode, adopt=lambda names: None,
-                          refuse=lambda what, hint: ConfigError(what, hint=hint))
-
-
-def _replace(root: Path, path: Path, data: bytes, stamp: str, mode: int) -> list[str]:
-    """Write ``path``, keeping what was there under /var/lib/imgpipe/backups/STAMP/ (never
-    beside it: plugstack.conf includes every file of its folder)."""
-    said = []
-    if path.exists():
-        backup = _under(root, BACKUPS) / stamp / path.relative_to(root)
-        _walk(backup.parent, 0o700)
-        shutil.copy2(path, backup)
-        said.append(f"kept {path} as {backup}")
-    atomic_write(path, data, mode=mode)
-    return [*said, f"wrote {path}"]

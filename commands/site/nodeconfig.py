@@ -10,28 +10,33 @@ from imgpipe.base.config import Settings
 from imgpipe.commands.shared.wiring import storage
 from imgpipe.enroot.cache.layout import make_layout
 from imgpipe.enroot.nodeconfig import (
+    ACCEPTED_NAMES,
     PYXIS_SO_CANDIDATES,
     NodeConfig,
     Version,
     detect_pyxis,
     enroot_location,
+    find_plugstack,
     importer_path,
     parse_version,
     render,
 )
 
-__all__ = ["make_cache", "node_setup", "parse_version"]
+__all__ = ["ACCEPTED_NAMES", "make_cache", "node_setup", "parse_version"]
 
 
 def node_setup(settings: Settings, pyxis_version: Version | None, pyxis_plugin: str | None,
-               enroot_path: str | None, importer: str | None, squashfuse: bool
+               enroot_path: str | None, importer: str | None, squashfuse: bool,
+               accept: frozenset[str] = frozenset(), plugstack: str | None = None
                ) -> NodeConfig:
-    """The nodes' configuration for the Pyxis found here (or named), and its plugin path."""
+    """The nodes' configuration for the Pyxis found here (or named), and its plugin path;
+    the lines that change jobs taken where ``accept`` names them."""
     detected = detect_pyxis((pyxis_plugin,) if pyxis_plugin else PYXIS_SO_CANDIDATES)
     version = pyxis_version or (detected[1] if detected else None)
     plugin = pyxis_plugin or (detected[0] if detected else PYXIS_SO_CANDIDATES[0])
     return render(settings, importer or importer_path(), version, plugin,
-                  enroot_path or enroot_location(), squashfuse=squashfuse)
+                  enroot_path or enroot_location(), squashfuse=squashfuse, accept=accept,
+                  plugstack=(plugstack, "--plugstack") if plugstack else find_plugstack())
 
 
 def make_cache(settings: Settings, folder: str, group: str | None

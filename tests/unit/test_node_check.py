@@ -5,6 +5,7 @@ keeps backups where nothing includes them, and a second run changes nothing."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from tests.nodeimage import node_image, sums
@@ -72,13 +73,99 @@ def test_apply_writes_imgpipes_own_files_keeps_backups_and_is_idempotent(cli, tm
     assert "pyxis.conf (the site's): ok" in out
 
 
-def test_a_node_without_a_pyxis_line_gets_one_of_imgpipes_own(cli, tmp_path: Path) -> None:
+def test_a_node_without_a_pyxis_line_gets_one_only_when_accepted(cli, tmp_path: Path
+                                                                 ) -> None:
+    """Before, a missing Pyxis line counted as imgpipe's own file: --apply wrote one, with
+    importer=, unasked (every srun on the node then loads Pyxis)."""
     root = tmp_path / "node"
     _node(root)
     (root / "etc/slurm/plugstack.conf.d/pyxis.conf").unlink()
     code, out, err = cli("node-config", "--apply", "--root", str(root))
     assert code == 0, err
+    assert not (root / "etc/slurm/plugstack.conf.d/pyxis.conf").exists()
+    assert "! written only with --accept pyxis" in out
+    code, out, err = cli("node-config", "--apply", "--root", str(root), "--accept", "pyxis")
+    assert code == 0, err
     written = (root / "etc/slurm/plugstack.conf.d/pyxis.conf").read_text()
     assert written.splitlines()[-1] == ("required /usr/local/lib/slurm/spank_pyxis.so "
-                                        "runtime_path=/run/pyxis "
-                                        "importer=/usr/local/bin/imgpipe-pyxis-importer")
+                                        "runtime_path=/run/pyxis")
+    before = sums(root)
+    code, out, err = cli("node-config", "--apply", "--root", str(root), "--accept", "pyxis")
+    assert "nothing to do" in out and sums(root) == before  # a second run changes nothing
+
+
+def test_the_line_goes_where_slurmd_reads_it(cli, tmp_path: Path) -> None:
+    """A plugstack with no include folder gets the line itself (before: a plugstack.conf.d
+    file nothing read, rewritten with a new backup on every run); slurm.conf's
+    PlugStackConfig is the file slurmd reads."""
+    root = tmp_path / "node"
+    node_image(root, {"etc/slurm/slurm.conf": "PlugStackConfig=/etc/site/spank.conf\n",
+                      "etc/site/spank.conf": "optional /usr/lib/site/spank_x11.so\n"},
+               "usr/local/lib/slurm/spank_pyxis.so")
+    code, out, err = cli("node-config", "--apply", "--root", str(root), "--accept", "pyxis",
+                         "--accept", "importer")
+    assert code == 0, err
+    assert "plugstack: /etc/site/spank.conf (PlugStackConfig in /etc/slurm/slurm.conf)" in out
+    assert not (root / "etc/slurm/plugstack.conf.d").exists()
+    lines = (root / "etc/site/spank.conf").read_text().splitlines()
+    assert lines[0] == "optional /usr/lib/site/spank_x11.so"
+    assert lines[-1].endswith("runtime_path=/run/pyxis "
+                              "importer=/usr/local/bin/imgpipe-pyxis-importer")
+    backups = sorted((root / "var/lib/imgpipe/backups").iterdir())
+    before = sums(root)
+    code, out, _ = cli("node-config", "--apply", "--root", str(root), "--accept", "pyxis",
+                       "--accept", "importer")
+    assert code == 0 and sums(root) == before
+    assert sorted((root / "var/lib/imgpipe/backups").iterdir()) == backups  # no new backup
+
+
+def test_rollback_puts_the_last_run_back(cli, tmp_path: Path) -> None:
+    root = tmp_path / "node"
+    _node(root)
+    link = root / "usr/local/bin/imgpipe-pyxis-importer"
+    link.parent.mkdir(parents=True)
+    link.symlink_to("/opt/old-imgpipe/bin/imgpipe-pyxis-importer")  # a link of an older install
+    config = cli.write_config({"registry": {"host": "head"}})
+    site = sums(root)
+    code, out, err = cli("node-config", "--apply", "--root", str(root), "--site-config",
+                         str(config), "--accept", "importer")
+    assert code == 0, err
+    assert link.readlink() == Path("/opt/imgpipe/bin/imgpipe-pyxis-importer")
+    [kept] = [Path(folder) / name for folder, _, names in os.walk(root / "var/lib/imgpipe")
+              for name in names if name == "imgpipe-pyxis-importer"]
+    assert kept.readlink() == Path("/opt/old-imgpipe/bin/imgpipe-pyxis-importer")  # as a link
+    code, out, err = cli("node-config", "--rollback", "--root", str(root))
+    assert code == 0, err
+    assert link.readlink() == Path("/opt/old-imgpipe/bin/imgpipe-pyxis-importer")
+    assert not (root / "etc/imgpipe/imgpipe.yaml").exists()  # made by the run: removed
+    assert {k: v for k, v in sums(root).items() if k in site} == site
+    assert "restart slurmd" in out
+    code, out, err = cli("node-config", "--rollback", "--root", str(root))
+    assert code == 2 and "nothing to roll back" in err
+
+
+def test_check_says_when_no_job_user_could_run_the_importer(cli, tmp_path: Path) -> None:
+    """Before, --check said "ok" for a link into root's own venv (/root is 0700)."""
+    root = tmp_path / "node"
+    _node(root)
+    (root / "opt/imgpipe").chmod(0o700)
+    code, out, err = cli("node-config", "--check", "--root", str(root))
+    assert code == 0, err
+    assert "(imgpipe's): conflict" in out
+    assert "which a job user cannot run: /opt/imgpipe is closed to other users" in out
+    (root / "opt/imgpipe").chmod(0o755)
+    (root / "usr/bin/python3.11").chmod(0o700)
+    code, out, err = cli("node-config", "--check", "--root", str(root))
+    assert "/usr/bin/python3.11 is not executable by other users" in out
+
+
+def test_check_names_a_missing_registry_ca(cli, tmp_path: Path) -> None:
+    root = tmp_path / "node"
+    _node(root)
+    ca = tmp_path / "site-ca.crt"
+    ca.write_text("CA\n")
+    config = cli.write_config({"registry": {"host": "head", "ca_file": str(ca)}})
+    code, out, err = cli("node-config", "--check", "--root", str(root), "--site-config",
+                         str(config))
+    assert code == 0, err
+    assert f"registry.ca_file names {ca}, which this node lacks" in out

@@ -284,7 +284,8 @@ def test_node_config_follows_the_pyxis_version(tmp_path: Path) -> None:
     old = render(settings, "/usr/local/bin/imgpipe-pyxis-importer", parse_version("0.20"),
                  enroot_path="/usr/bin/enroot")
     [line] = [x for x in old.plugstack_conf.splitlines() if x.startswith("required")]
-    assert "importer=" not in line and "container_scope=job" in line
+    assert "importer=" not in old.plugstack_conf.split("# note")[0]
+    assert "container_scope=job" not in line and "#   container_scope=job" in old.plugstack_conf
     new = render(settings, "/usr/local/bin/imgpipe-pyxis-importer", parse_version("v0.24.0"),
                  enroot_path="/usr/bin/enroot")
     assert "importer=/usr/local/bin/imgpipe-pyxis-importer" in new.plugstack_conf
@@ -304,7 +305,7 @@ def test_node_config_keeps_job_scope_only_where_the_cleanup_finds_enroot(tmp_pat
                                                                          ) -> None:
     settings = _settings(tmp_path)
     elsewhere = render(settings, "/x", (0, 24, 0), enroot_path="/opt/enroot/bin/enroot")
-    assert "container_scope=global" in elsewhere.plugstack_conf
+    assert "container_scope=job" not in elsewhere.plugstack_conf.split("# note")[0]
     assert any("drain the node" in note for note in elsewhere.notes)
 
 
@@ -368,7 +369,10 @@ def test_node_config_turns_on_squashfuse_mode_where_pyxis_has_it(tmp_path: Path,
                                                                  note: str) -> None:
     config = render(_settings(tmp_path), "/x", parse_version(version),
                     enroot_path="/usr/bin/enroot")
-    [line] = [x for x in config.plugstack_conf.splitlines() if x.startswith("required")]
+    assert ("#   use_squashfuse=1" in config.plugstack_conf) is squashfuse
+    taken = render(_settings(tmp_path), "/x", parse_version(version),
+                   enroot_path="/usr/bin/enroot", accept=frozenset({"squashfuse"}))
+    [line] = [x for x in taken.plugstack_conf.splitlines() if x.startswith("required")]
     assert ("use_squashfuse=1" in line) is squashfuse
     assert any(note in n for n in config.notes), config.notes
     off = render(_settings(tmp_path), "/x", parse_version(version),
