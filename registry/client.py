@@ -4,8 +4,9 @@ Every request states the statuses it accepts; any other raises RegistryError
 with method, URL, status and the registry's error code.  Connection errors and
 5xx answers are retried with backoff (urllib3's Retry); nothing else is.
 Every request has a timeout.  With a blob cache configured (``registry.blob_cache``),
-blobs by digest are asked of it first and of the registry when it fails
-(registry.cacheroute); every blob's bytes are checked against its digest either way.
+blobs by digest are asked of it first and of the registry when it fails: which requests go
+there and how it is asked is ``registry.cacheroute``; every blob's bytes are checked
+against its digest here either way.
 """
 
 from __future__ import annotations
@@ -38,13 +39,13 @@ from imgpipe.registry.mediatypes import (  # noqa: F401 (re-exported)
     MANIFEST_ACCEPT,
     OCI_INDEX,
     OCI_MANIFEST,
+    REGISTRY_HEADER,
 )
 
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 20.0  # of silence: a stalled registry is given up on, not waited for
-REGISTRY_HEADER = "Docker-Distribution-API-Version"
 CHUNK = 1 << 20
 PAGE_SIZE = 100  # registry:2 rejects n above 1000 and answers 100 when n is absent
 
@@ -113,10 +114,16 @@ class RegistryClient:
         url = path if path.startswith(("http://", "https://")) else self.base_url + path
         accepted = set(ok)
         if self.blob_cache is not None and self.blob_cache.takes(method, path):
-            cached = self._from_blob_cache(method, path, accepted, headers, params, stream,
-                                           limit)
-            if cached is not None:
-                return cached
+            answer = self.blob_cache.ask(
+                method, path, accepted=accepted, headers=headers, params=params,
+                stream=stream, limit=limit, timeout=self.timeout, verify=self.verify,
+                auth=self.auth, registry=self.address, authorization=self._authorization)
+            self._authorization = answer.authorization
+            if answer.response is not None:
+                if answer.registry_error:  # the registry's own answer, passed through
+                    raise self._status_error(method, self.blob_cache.url + path,
+                                             answer.response)
+                return answer.response
         sent_headers = dict(headers or {})
         # A Location or Link the registry sent may name another host: it gets no credentials.
         ours = _origin(url) == _origin(self.base_url)
@@ -149,50 +156,6 @@ class RegistryClient:
         if response.status_code not in accepted:
             raise self._status_error(method, url, response)
         return response
-
-    def _from_blob_cache(self, method: str, path: str, accepted: set[int],
-                         headers: dict[str, str] | None, params: dict[str, Any] | None,
-                         stream: bool, limit: int) -> requests.Response | None:
-        """The blob cache's answer to a blob request, or None when the cache failed (said
-        once; the caller asks the registry).  The registry's own errors passed through it
-        are raised as the registry's.  Credentials go to it as to the registry: over https,
-        or over http with registry.credentials.allow_http."""
-        assert self.blob_cache is not None
-        cache = self.blob_cache
-        url = cache.url + path
-        may_send = cache.url.startswith("https://") or self.auth.allow_http
-        sent_headers = dict(headers or {})
-        for attempt in range(3):
-            if self._authorization and may_send:
-                sent_headers["Authorization"] = self._authorization
-            try:
-                response = cache.session.request(
-                    method, url, headers=sent_headers, params=params, stream=True,
-                    timeout=self.timeout, verify=self.verify, allow_redirects=True)
-            except requests.RequestException as exc:
-                cache.refuse(f"does not answer ({cache.reason(exc)})")
-                return None
-            if response.status_code != 401 or 401 in accepted or not may_send or attempt == 2:
-                break
-            response.close()
-            self._authorization = self.auth.answer(response, self.address)
-        status = response.status_code
-        if status in accepted and status < 500:
-            if not stream:
-                read_capped(response, limit, f"{method} {url}")
-            return response
-        if status < 500 and status != 401 and REGISTRY_HEADER in response.headers:
-            read_capped(response, limit, f"{method} {url}")  # the registry's own answer
-            raise self._status_error(method, url, response)
-        response.close()
-        if status == 401 and may_send:
-            return None  # the login was refused: the registry itself says so, in its words
-        if status == 401:
-            cache.refuse("asks for a login, which goes to it only over https or with "
-                         "registry.credentials.allow_http")
-        else:
-            cache.refuse(f"does not answer as the registry (HTTP {status})")
-        return None
 
     def _blame(self, response: requests.Response, what: str) -> bool:
         """True (the cache now bypassed) when ``response`` came from the blob cache."""

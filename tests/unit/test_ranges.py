@@ -35,9 +35,9 @@ from imgpipe.registry.chunkrecord import (
     read_record,
     sidecar_path,
 )
-from imgpipe.registry.client import REGISTRY_HEADER, RegistryClient
+from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.manifests import Manifest
-from imgpipe.registry.mediatypes import OCI_MANIFEST
+from imgpipe.registry.mediatypes import OCI_MANIFEST, REGISTRY_HEADER
 from imgpipe.registry.ranges import (
     MAX_CHUNKS,
     MIN_CHUNK_SIZE,
