@@ -1,7 +1,9 @@
 """``imgpipe-pyxis-importer get URI | release``: the program Pyxis (0.21+) runs to import an
 image (``plugstack.conf``: ``importer=PATH``); its work is ``imgpipe.commands.node.importer``.
 ``stage URI`` and ``take URI [SHA256 STAGED MANIFEST]`` are what the recipes run where
-squashfs caches are node-local (``imgpipe.commands.node.fanout``).
+squashfs caches are node-local (``imgpipe.commands.node.fanout``); ``broadcast URI``, one
+task per node under ``srun --mpi=pmix``, gets the image onto every node of the job at once
+(``imgpipe.commands.node.broadcast``).
 
 ``get`` prints the squashfs path Pyxis mounts or unpacks; ``release`` ends the step's
 recorded use when the step ends.  What goes to stderr is what the user sees when the import
@@ -16,7 +18,7 @@ import sys
 from imgpipe.commands.node.importer import fast_get, get, is_foreign, record_step, release
 
 USAGE = ("usage: imgpipe-pyxis-importer get URI | release | stage URI | take URI "
-         "[SHA256 STAGED MANIFEST]")
+         "[SHA256 STAGED MANIFEST] | broadcast URI")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,6 +45,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args[:1] in (["stage"], ["take"]) and len(args) in (2, 5):
             return _fanout(args)
+        if len(args) == 2 and args[0] == "broadcast":
+            from imgpipe.commands.node.broadcast import broadcast
+
+            print(broadcast(args[1]), flush=True)
+            return 0
     except ImgpipeError as exc:
         print(f"imgpipe: error: {exc}", file=sys.stderr)
         return 1
@@ -72,8 +79,8 @@ def _fanout(args: list[str]) -> int:
 
 
 def run() -> None:
-    if sys.argv[1:2] in (["get"], ["stage"], ["take"]):  # a conversion may run: SIGTERM
-        # must clean up
+    if sys.argv[1:2] in (["get"], ["stage"], ["take"], ["broadcast"]):  # a conversion may
+        # run: SIGTERM must clean up
         from imgpipe.base.signals import raise_on_sigterm
 
         raise_on_sigterm()

@@ -14,6 +14,16 @@
     ``sbcast`` copies it along slurmd's tree to every node of the job, and every node's
     importer takes the copy only if it hashes to the pin (``take``); a node without a good
     copy fetches for itself and says so.  The registry serves one squashfs per job.
+``broadcast``
+    a node-local folder: one ``srun --mpi=pmix`` step of one task per node
+    (``broadcast``): the batch host's task fetches the pinned squashfs and streams each
+    chunk its ranged fetch has checked to every node that lacks the image, through Open
+    MPI's pipelined broadcast (each node forwards a segment while it receives the next),
+    every node writing and hashing as it receives; nodes holding the image take no part.
+    sbcast's three stages one after another (the whole fetch, a store-and-forward tree,
+    each node's full sha256 pass) become one pipeline: N nodes cost about one.  Without a
+    pin for the image, Slurm's pmix plugin, or MPI on the nodes (the step fails), it stages
+    with sbcast instead, in one line.
 
 Every failure on the way is one line and the job still starts: sbcast missing or failing,
 the batch host unable to get the image, a corrupt copy.  With Charliecloud the function
@@ -25,13 +35,14 @@ from __future__ import annotations
 import shlex
 from typing import Literal, get_args
 
-Distribution = Literal["shared", "fetch", "sbcast"]
+Distribution = Literal["shared", "fetch", "sbcast", "broadcast"]
 DISTRIBUTIONS: tuple[str, ...] = get_args(Distribution)
 
 _FUNCTION = r'''
 # The image onto every node of the job (enroot.distribution: @MODE@): node-local caches.
 # IMGPIPE_IMPORTER (default: the site's) runs on every node as the job's user; IMGPIPE_SBCAST,
-# IMGPIPE_SBCAST_FANOUT and IMGPIPE_SBCAST_BLOCK override sbcast, its tree width and block.
+# IMGPIPE_SBCAST_FANOUT and IMGPIPE_SBCAST_BLOCK override sbcast, its tree width and block;
+# IMGPIPE_BCAST_ALGORITHM and IMGPIPE_BCAST_SEGMENT Open MPI's broadcast (broadcast).
 default_importer=@IMPORTER@
 IMGPIPE_IMPORTER="${IMGPIPE_IMPORTER:-$default_importer}"
 stage_image() {
@@ -39,6 +50,30 @@ stage_image() {
   local mode=${IMGPIPE_DISTRIBUTION:-@MODE@}
   local uri=$CONT sbcast=${IMGPIPE_SBCAST:-sbcast}
   case "$uri" in /*|./*) return 0 ;; esac  # a squashfs path: nothing to stage
+  if [ "$mode" = broadcast ] && [ "$nodes" -gt 1 ]; then
+    mode=sbcast
+    case " ${IMGPIPE_SQUASHFS_PINS:-} " in
+      *" ${uri##*@}="*)
+        if ! srun --mpi=list 2>&1 | grep -qw pmix; then
+          echo "${0##*/}: Slurm has no pmix plugin here (srun --mpi=list): staging with" \
+            "sbcast" >&2
+        # Open MPI's pipeline broadcast (algorithm 3): each node forwards a segment while it
+        # receives the next (its default for 32-1,023 ranks is an unsegmented tree); waiting
+        # ranks yield their core instead of spinning on it
+        elif got=$(OMPI_MCA_coll_tuned_use_dynamic_rules=1 \
+            OMPI_MCA_coll_tuned_bcast_algorithm="${IMGPIPE_BCAST_ALGORITHM:-3}" \
+            OMPI_MCA_coll_tuned_bcast_algorithm_segmentsize="${IMGPIPE_BCAST_SEGMENT:-1048576}" \
+            OMPI_MCA_mpi_yield_when_idle=1 \
+            srun -N"$nodes" -n"$nodes" --ntasks-per-node=1 --mpi=pmix --kill-on-bad-exit=1 \
+            "$IMGPIPE_IMPORTER" broadcast "$uri" | sort -u); then
+          mode=broadcast
+        else
+          echo "${0##*/}: the broadcast of $uri failed: staging with sbcast" >&2
+        fi ;;
+      *) echo "${0##*/}: $uri has no squashfs pin (IMGPIPE_SQUASHFS_PINS): staging with" \
+           "sbcast" >&2 ;;
+    esac
+  fi
   if [ "$mode" = sbcast ] && [ "$nodes" -gt 1 ]; then
     if ! line=$("$IMGPIPE_IMPORTER" stage "$uri"); then
       echo "${0##*/}: the batch host could not get $uri: every node fetches it" >&2
@@ -56,9 +91,11 @@ stage_image() {
       staged=("${staged[1]}" "${staged[2]}" "${staged[3]}")
     fi
   fi
-  got=$(srun -N"$nodes" -n"$nodes" --ntasks-per-node=1 --kill-on-bad-exit=1 \
-    "$IMGPIPE_IMPORTER" take "$uri" "${staged[@]}" | sort -u) || {
-    echo "${0##*/}: a node could not get $uri" >&2; exit 1; }
+  if [ "$mode" != broadcast ]; then
+    got=$(srun -N"$nodes" -n"$nodes" --ntasks-per-node=1 --kill-on-bad-exit=1 \
+      "$IMGPIPE_IMPORTER" take "$uri" "${staged[@]}" | sort -u) || {
+      echo "${0##*/}: a node could not get $uri" >&2; exit 1; }
+  fi
 @AFTER@}
 stage_image
 '''

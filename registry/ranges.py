@@ -64,6 +64,24 @@ CHUNK_TRIES = 3  # fetches of one chunk whose bytes keep failing its digest, the
 _HEX = re.compile(r"[0-9a-f]{64}")
 
 
+@dataclass(frozen=True)
+class Checked:
+    """How far a ranged download is, told after each chunk in order: the bytes before
+    ``upto`` are written and checked against their chunk digest (where the artifact lists
+    them; the whole digest is checked at the end either way).  A job's broadcast sends
+    them on while later chunks still land (commands.node.broadcast)."""
+
+    blob: str
+    partial: Path
+    size: int
+    chunk_size: int
+    digests: tuple[str, ...]  # the chunk digests the download goes by (none: not listed)
+    upto: int
+
+
+Verified = Callable[[Checked], None]
+
+
 class ChunkHasher:
     """The sha256 of each ``chunk_size`` piece of a stream fed in pieces of any length."""
 
@@ -182,6 +200,7 @@ class _Download:
     failed: threading.Event = field(default_factory=threading.Event)
     distrusted: str = ""  # the first chunk whose published digest the registry's bytes lack
     lock: threading.Lock = field(default_factory=threading.Lock)
+    verified: Verified | None = None
 
     def bounds(self, index: int) -> tuple[int, int]:
         start = index * self.chunk_size
@@ -315,6 +334,9 @@ def _hash_in_order(job: _Download, count: int) -> hashlib._Hash | None:
                                     "written: another process changed it")
             whole.update(block)
             offset += len(block)
+        if job.verified is not None:
+            job.verified(Checked(job.digest, job.partial, job.size, job.chunk_size,
+                                 tuple(job.digests) if not job.distrusted else (), end + 1))
     return whole
 
 
@@ -397,11 +419,13 @@ def fetch_ranges(client: RegistryClient, repository: str, digest: str, partial: 
                  size: int, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  digests: Sequence[str] = (), connections: int = 4,
                  progress: Callable[[int], None] | None = None,
-                 say: Callable[[str], None] = lambda _: None) -> int:
+                 say: Callable[[str], None] = lambda _: None,
+                 verified: Verified | None = None) -> int:
     """Fetch blob ``digest`` (``size`` bytes) into ``partial`` as ranges of ``chunk_size``
     (0: DEFAULT_CHUNK_SIZE) over ``connections`` connections, each checked against
     ``digests`` (the published chunk digests, taken within bounds: ``plan_chunks``; none:
-    the whole digest alone), and verify the whole file; the caller publishes it.  Returns
+    the whole digest alone), and verify the whole file; the caller publishes it.
+    ``verified`` hears each chunk in order once it is checked (not in one stream).  Returns
     the bytes received by this call.  Raises RegistryError (DigestMismatchError for bytes
     that do not match)."""
     if digest.partition(":")[0] != "sha256":
@@ -413,7 +437,7 @@ def fetch_ranges(client: RegistryClient, repository: str, digest: str, partial: 
     try:
         record = DoneRecord(partial, digest, size, chunk_size, list_identity(digests), set())
         job = _Download(client, digest, f"/v2/{repository}/blobs/{digest}", partial, fd, size,
-                        chunk_size, digests, progress, say, record)
+                        chunk_size, digests, progress, say, record, verified=verified)
         record.done = _kept_chunks(job, created)
         record.save()  # before the file has holes
         _preallocate(fd, size)

@@ -4,6 +4,9 @@ nothing of the build side (commands/builds/, imgpipe.pipeline) or the demo.
 
 Imports go down:
 
+    broadcast       ``broadcast``: one image onto every node of a job at once (MPI), where
+                    caches are node-local
+
     fanout          ``stage`` and ``take`` around Slurm's sbcast, where caches are node-local
     foreign         another registry's image, imported as Pyxis does without an importer
 

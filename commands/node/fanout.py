@@ -57,12 +57,14 @@ class Staged:
         return f"{self.source} {self.sha256} {self.dest} {self.manifest}"
 
 
-def _settings() -> Settings:
+def node_settings() -> Settings:
+    """The node's settings: the one config file the importer reads."""
     path = config_file()  # one file, never a user's or a project's layer
     return parse_settings(Path(path)) if path else Settings(root=Path.cwd())
 
 
-def _pinned(uri: str, settings: Settings) -> Reference:
+def pinned_reference(uri: str, settings: Settings) -> Reference:
+    """``uri`` parsed; ImgpipeError unless it names a digest."""
     ref = Reference.parse(uri, default_registry=settings.registry.address)
     if ref.digest is None:
         raise ImgpipeError(f"{uri} is not pinned to a digest: staging copies one image's "
@@ -82,8 +84,8 @@ def file_sha256(fd: int) -> str:
 
 def stage(uri: str) -> Staged:
     """Get ``uri`` on this (the batch) host and name the copy every node receives."""
-    settings = _settings()
-    ref = _pinned(uri, settings)
+    settings = node_settings()
+    ref = pinned_reference(uri, settings)
     path = fast_get(uri) or get(uri)
     cache = storage(settings)
     pinned = [pin for pin in Pins.from_env().for_image(ref.digest or "")
@@ -104,8 +106,8 @@ def stage(uri: str) -> Staged:
 def take(uri: str, staged: Staged | None) -> Path:
     """This node's entry of ``uri``: already here, the staged copy once it checks, or
     fetched by this node (said in one line)."""
-    settings = _settings()
-    ref = _pinned(uri, settings)
+    settings = node_settings()
+    ref = pinned_reference(uri, settings)
     if staged is not None and not all(_DIGEST.fullmatch(d) for d in (staged.sha256,
                                                                      staged.manifest)):
         raise ImgpipeError(f"take: {staged.sha256!r} and {staged.manifest!r} must be sha256 "

@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from imgpipe.registry.ranges import Verified
+
 SITE_CONFIG = "/etc/imgpipe/imgpipe.yaml"
 # The defaults of imgpipe.base.config that the fast path reads (a test keeps them equal).
 DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SCHEME = "127.0.0.1", 5000, "http"
@@ -266,7 +268,9 @@ def say(text: str) -> None:
     print(safe_line(f"imgpipe: {text}"), file=sys.stderr, flush=True)
 
 
-def get(uri: str) -> Path:
+def get(uri: str, verified: Verified | None = None) -> Path:
+    """``uri``'s squashfs: found, fetched or converted.  ``verified`` hears each chunk of a
+    published squashfs's ranged fetch once checked (the job's broadcast sends it on)."""
     from pathlib import Path
 
     from imgpipe.base.config import Settings
@@ -297,7 +301,8 @@ def get(uri: str) -> Path:
         say=say,
         connections=enroot.max_connections,
         published=PublishedPolicy(enroot.published, unpinned=enroot.published_unpinned,
-                                  range_connections=enroot.range_connections))
+                                  range_connections=enroot.range_connections,
+                                  verified=verified))
     if conversion.converted and enroot.cache_max_size:
         from imgpipe.commands.node.cache import prune_after_conversion
 

@@ -2,6 +2,8 @@
 
     policy      whether a published squashfs may stand in for a conversion (pinned, or
                 the site's opt-in checked against the layers), and fetching it when so
+    relay       a published squashfs relayed between the nodes of one job: what the
+                sender's fetch has checked, a receiver's copy written and hashed as it comes
     artifact    the OCI artifact: find it among the referrers, publish (with chunk
                 digests), fetch (as verified ranges, registry.ranges), check
     pins        which published squashfs digests a job trusts for each image (the

@@ -35,6 +35,7 @@ from imgpipe.registry.mediatypes import OCI_MANIFEST
 from imgpipe.registry.ranges import (
     DEFAULT_CHUNK_SIZE,
     ChunkHasher,
+    Verified,
     chunk_digests,
     chunks_problem,
     fetch_ranges,
@@ -264,7 +265,8 @@ def check_contents(path: Path, allowed_setuid: set[str] | None) -> int:
 def fetch(client: RegistryClient, storage: Storage, published: PublishedSquashfs, final: Path,
           allowed_setuid: set[str] | None,
           progress: Callable[[int], None] | None = None, connections: int = 4,
-          say: Callable[[str], None] = lambda _: None) -> tuple[int, int]:
+          say: Callable[[str], None] = lambda _: None,
+          verified: Verified | None = None) -> tuple[int, int]:
     """Fetch the artifact's squashfs into the cache under ``final`` (call with the digest's
     lock held): as ``connections`` ranges at once, each checked against the published chunk
     digests (registry.ranges), resumed from this user's partial download, digest verified,
@@ -282,7 +284,8 @@ def fetch(client: RegistryClient, storage: Storage, published: PublishedSquashfs
             "download is redone")
     try:
         received = fetch_ranges(client, published.repository, published.blob, partial,
-                                published.size, chunk_size, chunks, connections, progress, say)
+                                published.size, chunk_size, chunks, connections, progress, say,
+                                verified)
     except DigestMismatchError:
         route = client.blob_cache
         if route is None or not route.takes("GET", f"/v2/{published.repository}/blobs/"
@@ -291,11 +294,19 @@ def fetch(client: RegistryClient, storage: Storage, published: PublishedSquashfs
         # the blob cache served bytes that are not the blob: the registry itself, once
         route.refuse(f"served bytes of {published.blob[:19]} that do not hash to it")
         received = fetch_ranges(client, published.repository, published.blob, partial,
-                                published.size, chunk_size, chunks, connections, progress, say)
+                                published.size, chunk_size, chunks, connections, progress, say,
+                                verified)
+    return received, publish_partial(partial, final, allowed_setuid)
+
+
+def publish_partial(partial: Path, final: Path, allowed_setuid: set[str] | None,
+                    mode: int = 0o644) -> int:
+    """Check a downloaded (or received) squashfs's contents and rename it into place as
+    ``final``; the partial file is gone either way.  Returns the entry count."""
     try:
         count = check_contents(partial, allowed_setuid)
-        with atomic_path(final, mode=0o644) as tmp:
+        with atomic_path(final, mode=mode) as tmp:
             os.replace(partial, tmp)
     finally:
         partial.unlink(missing_ok=True)
-    return received, count
+    return count

@@ -27,6 +27,7 @@ from imgpipe.enroot.flatten.view import MergedView
 from imgpipe.enroot.published.artifact import PublishedSquashfs, fetch, find_published
 from imgpipe.enroot.published.pins import Pins
 from imgpipe.registry.client import RegistryClient
+from imgpipe.registry.ranges import Verified
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class PublishedPolicy:
     pins: frozenset[str] = field(default_factory=frozenset)  # trusted squashfs digests
     unpinned: bool = False  # enroot.published_unpinned: the site trusts its registry
     range_connections: int = 4  # enroot.range_connections: ranges fetched at once
+    # hears each chunk of a fetch once checked, in order: the job's broadcast sends it on
+    verified: Verified | None = field(default=None, compare=False)
 
     def pinned_for(self, image_digest: str,
                    environ: Mapping[str, str] = os.environ) -> PublishedPolicy:
@@ -133,5 +136,6 @@ def _fetch_one(client: RegistryClient, storage: Storage, candidate: PublishedSqu
     say(f"fetch published squashfs {candidate.blob[:19]} ({candidate.size / 1e6:.1f} MB)")
     final = storage.fetched(candidate.repository, candidate.blob)
     received, entries = fetch(client, storage, candidate, final, allowed,
-                              count(candidate.size), policy.range_connections, say)
+                              count(candidate.size), policy.range_connections, say,
+                              policy.verified)
     return Fetched(candidate, final, received, entries)

@@ -1,0 +1,275 @@
+"""One image onto every node of a job in about one node's time (``enroot.distribution:
+broadcast``): the importer's ``broadcast URI``, one task per node in one
+``srun --mpi=pmix`` step of the recipes' ``stage_image`` (``imgpipe.recipes.staging``).
+
+Every task first looks for its node's entry (``fast_get``): a node that holds one takes no
+part and receives nothing.  The batch host's task (rank 0) fetches the pinned squashfs as any
+node would, and sends each unit of the file as soon as its ranged fetch has checked it
+(registry.ranges tells it, chunk by chunk, in order); MPI's pipelined broadcast has every
+node forward a unit while it receives the next, and each node writes and hashes it on a
+thread of its own (``enroot.published.relay``), so no pass over the file is left at the end.
+A final gather tells the batch host which nodes took the copy, which it says in one line; a
+node whose copy failed says why in one line and fetches for itself, from the first chunk
+that differs.
+
+The bytes travel over MPI's connections, which nobody authenticates: a receiver takes only
+bytes that hash to a pin of its own environment and pass the contents check a fetch passes,
+and reads fixed-size buffers only (never a pickled object: unpickling runs code).  Every
+message has one size (UNIT and a trailer), so a receiver that refuses the stream still takes
+part to its end and the job never hangs on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import socket
+import struct
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from imgpipe.base.errors import ImgpipeError
+from imgpipe.base.units import human_bytes
+from imgpipe.commands.node.fanout import node_settings, pinned_reference
+from imgpipe.commands.node.importer import fast_get, get, say
+from imgpipe.commands.shared.wiring import storage
+from imgpipe.enroot.cache.storage import Storage
+from imgpipe.enroot.published.pins import Pins
+from imgpipe.enroot.published.relay import (
+    HEADER_MAX,
+    UNIT,
+    Header,
+    Prefix,
+    Receiver,
+    RelayError,
+)
+
+DEBIAN_MPI4PY = Path("/usr/lib/python3/dist-packages/mpi4py")
+MPI_HINT = ("apt-get install openmpi-bin python3-mpi4py (and libpmix-dev, which Slurm's "
+            "pmix plugin loads), or set enroot.distribution: sbcast")
+TRAILER = struct.Struct("<qqq")  # each unit ends with: its offset (-1: stop), length, size
+_MESSAGE = UNIT + TRAILER.size
+_NAME = 64  # bytes per node in the final gather: "1" (took it) or "0", then its name
+
+
+def load_mpi() -> Any:
+    """mpi4py's ``MPI`` module, MPI initialised: this Python's own mpi4py, else Debian's
+    python3-mpi4py (built for Debian's Python, the one node-side venvs are made from; a venv
+    made without the system's site packages does not see it).  ImgpipeError if neither."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        init = DEBIAN_MPI4PY / "__init__.py"
+        spec = importlib.util.spec_from_file_location(
+            "mpi4py", init, submodule_search_locations=[str(DEBIAN_MPI4PY)])
+        if not init.is_file() or spec is None or spec.loader is None:
+            raise ImgpipeError("mpi4py is not installed on this node", hint=MPI_HINT) from None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["mpi4py"] = module
+        try:
+            spec.loader.exec_module(module)
+            from mpi4py import MPI
+        except ImportError as exc:
+            del sys.modules["mpi4py"]
+            raise ImgpipeError(f"mpi4py does not load here ({exc})", hint=MPI_HINT) from None
+    return MPI
+
+
+def broadcast(uri: str) -> Path:
+    """This node's entry of ``uri`` once the job's broadcast is over: held already,
+    received, or fetched by this node (said in one line).  Raises ImgpipeError when MPI
+    cannot start here (the recipes then stage with sbcast)."""
+    settings = node_settings()
+    ref = pinned_reference(uri, settings)
+    manifest = ref.digest or ""
+    mpi = load_mpi()
+    world = mpi.COMM_WORLD
+    here = socket.gethostname()
+    found = fast_get(uri)
+    pins = Pins.from_env().for_image(manifest)
+    root = world.Get_rank() == 0
+    with contextlib.ExitStack() as held:
+        cache = storage(settings)
+        # a login registry's image is private; a receiver cannot ask the registry, so where
+        # the site has credentials every copy is kept as a private one (0600, own folder)
+        cache.private = settings.registry.credentials.source != "none"
+        why = None if found is not None or root else _hold(held, cache, manifest, pins)
+        taking = root or (found is None and why is None)
+        team = world.Split(0 if taking else mpi.UNDEFINED, world.Get_rank())
+        if team == mpi.COMM_NULL:
+            if found is not None:
+                return found
+            say(f"{here}: {why}: fetching it")
+            held.close()
+            return get(uri)
+        try:
+            if team.Get_size() == 1:  # every other node holds it
+                return found if found is not None else get(uri)
+            if root:
+                return _send(mpi, team, uri, found, pins, here)
+            copy = _receive(mpi, team, cache, ref.repository, pins)
+        finally:
+            team.Free()
+    if isinstance(copy, Path):
+        return copy
+    say(f"{here}: refused the broadcast copy: {copy}")
+    return get(uri)
+
+
+def _hold(held: contextlib.ExitStack, cache: Storage, manifest: str, pins: frozenset[str]
+          ) -> str | None:
+    """Take the digest's lock for the copy (at once or not at all: a node waiting would hold
+    up every node after it), or say why this node takes no part."""
+    if not pins:
+        return f"no squashfs pin of {manifest[:19]}… in this job's environment"
+    try:
+        cache.prepare()
+        held.enter_context(cache.lock(manifest, timeout_s=0))
+    except ImgpipeError as exc:
+        return f"{manifest[:19]}… cannot be received here ({exc.message})"
+    return None
+
+
+def _bcast_header(mpi: Any, team: Any, header: Header | None) -> bytes:
+    """The header from the root to every member: a length, then that many bytes."""
+    data = header.encode() if header is not None else b""
+    length = bytearray(struct.pack("<q", len(data)))
+    team.Bcast([length, mpi.BYTE], root=0)
+    (count,) = struct.unpack("<q", length)
+    if not 0 < count <= HEADER_MAX:
+        return b""
+    buffer = bytearray(data) if header is not None else bytearray(count)
+    team.Bcast([buffer, mpi.BYTE], root=0)
+    return bytes(buffer)
+
+
+def _send(mpi: Any, team: Any, uri: str, found: Path | None, pins: frozenset[str],
+          here: str) -> Path:
+    """The batch host: fetch (unless held) while sending every unit the fetch checked."""
+    started = time.monotonic()
+    prefix = Prefix()
+    failure: list[ImgpipeError | OSError] = []
+    if found is not None:
+        prefix.finish(found)
+    else:
+        def fetch() -> None:
+            entry = None
+            try:
+                entry = get(uri, verified=prefix)
+            except (ImgpipeError, OSError) as exc:  # said once the others are told
+                failure.append(exc)
+            finally:
+                prefix.finish(entry)
+
+        threading.Thread(target=fetch, name="broadcast-fetch", daemon=True).start()
+    checked = prefix.started()
+    header, source = None, prefix.entry
+    if checked is not None:
+        header, source = Header(checked.blob, checked.size, checked.chunk_size,
+                                checked.digests), checked.partial
+    elif source is not None and pins:
+        blob = next((pin for pin in sorted(pins) if pin[7:] in source.name), min(pins))
+        header = Header(blob, source.stat().st_size)
+    _bcast_header(mpi, team, header if source is not None else None)
+    sent = header is not None and source is not None and _send_units(
+        mpi, team, header, source, prefix, checked is not None)
+    names = bytearray(_NAME * team.Get_size())
+    team.Gather([bytearray(_NAME), mpi.BYTE], [names, mpi.BYTE], root=0)
+    nodes = [names[i:i + _NAME].rstrip(b"\0").decode(errors="replace")
+             for i in range(_NAME, len(names), _NAME)]
+    took = sorted(n[1:] for n in nodes if n.startswith("1"))
+    fetch_here = sorted(n[1:] for n in nodes if not n.startswith("1"))
+    what = f"{header.blob[:19]}… ({human_bytes(header.size)})" if header else "nothing"
+    say(f"{here}: broadcast {what}{'' if sent else ', stopped early'} in "
+        f"{time.monotonic() - started:.1f} s: "
+        f"{len(took)} node(s) took it ({', '.join(took) or 'none'})"
+        + (f"; fetching for themselves: {', '.join(fetch_here)}" if fetch_here else ""))
+    if failure or prefix.entry is None:
+        raise _failed(failure, "the batch host's fetch failed")
+    return prefix.entry
+
+
+def _send_units(mpi: Any, team: Any, header: Header, source: Path, prefix: Prefix,
+                following: bool) -> bool:
+    """Send every unit of ``source`` (``following``: as the fetch checks it); False when
+    the fetch stopped first (the receivers were told)."""
+    fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    buffer = bytearray(_MESSAGE)
+    try:
+        for index in range(header.units()):
+            offset, length = index * UNIT, header.unit_length(index)
+            ready = not following or prefix.wait(header.blob, offset + length) \
+                or _same_file(fd, prefix.entry, header.size)
+            if ready and os.preadv(fd, [memoryview(buffer)[:length]], offset) == length:
+                TRAILER.pack_into(buffer, UNIT, offset, length, header.size)
+            else:
+                TRAILER.pack_into(buffer, UNIT, -1, 0, header.size)
+            team.Bcast([buffer, mpi.BYTE], root=0)
+            if not ready:
+                return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def _same_file(fd: int, entry: Path | None, size: int) -> bool:
+    """Whether the fetch ended with ``fd``'s file as its entry, whole (one stream took over
+    from the ranges, or the last word came after the last unit was asked for)."""
+    if entry is None:
+        return False
+    with contextlib.suppress(OSError):
+        info, mine = os.stat(entry, follow_symlinks=False), os.fstat(fd)
+        return (info.st_ino, info.st_dev) == (mine.st_ino, mine.st_dev) \
+            and mine.st_size == size
+    return False
+
+
+def _receive(mpi: Any, team: Any, cache: Storage, repository: str, pins: frozenset[str]
+             ) -> Path | str:
+    """A node without the entry: every unit into its own partial download, written and
+    hashed as it arrives; the entry, or why not."""
+    here = socket.gethostname()
+    receiver: Receiver | None = None
+    why = ""
+    raw = _bcast_header(mpi, team, None)
+    try:
+        if not raw:
+            raise RelayError("the batch host has no copy to send")
+        header = Header.decode(raw)
+        header.check(pins)
+        receiver = Receiver(header, cache.partial_download(header.blob),
+                            cache.fetched(repository, header.blob), cache.entry_mode,
+                            spare=TRAILER.size)
+    except (RelayError, ImgpipeError, OSError) as exc:
+        why = f"nothing this node can take came ({exc})"
+    buffer = receiver.buffer() if receiver is not None else bytearray(_MESSAGE)
+    while raw:
+        team.Bcast([buffer, mpi.BYTE], root=0)
+        offset, length, size = TRAILER.unpack_from(buffer, UNIT)
+        last = offset < 0 or offset + length >= size or not 0 < length <= UNIT
+        if receiver is not None and not why:
+            if offset != receiver.queued or length != receiver.header.unit_length(
+                    offset // UNIT) or size != receiver.header.size:
+                why = "the batch host stopped sending" if offset < 0 else \
+                    f"a unit at byte {offset} of {size} came out of order"
+            else:
+                receiver.put(buffer, length)
+                buffer = receiver.buffer()
+        if last:
+            break
+    copy: Path | str = why
+    if receiver is not None:
+        copy = receiver.abandon(why) if why else receiver.finish()
+    name = (b"1" if isinstance(copy, Path) else b"0") + here.encode()[:_NAME - 1]
+    team.Gather([bytearray(name.ljust(_NAME, b"\0")), mpi.BYTE], None, root=0)
+    return copy
+
+
+def _failed(failure: list[ImgpipeError | OSError], why: str) -> ImgpipeError:
+    if failure and isinstance(failure[0], ImgpipeError):
+        return failure[0]
+    return ImgpipeError(why + (f" ({failure[0]})" if failure else ""))
