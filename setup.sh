@@ -55,6 +55,8 @@ PACKAGES=(
   nginx-light                        # the blob cache tier (imgpipe registry cache up)
   slurm-wlm munge iproute2           # the multi-host sandbox Slurm (network namespaces)
   charliecloud-runtime squashfuse fuse3   # ch-run: jobs in containers from squashfs files
+  openmpi-bin python3-mpi4py libpmix-dev  # enroot.distribution: broadcast (srun --mpi=pmix;
+                                     # Slurm's pmix plugin loads libpmix.so, the -dev link)
   shellcheck curl util-linux
   sudo                               # the cache writer's one sudoers line (tests/e2e/test_tenants.py)
   chromium                           # headless: the report page's test
