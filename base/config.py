@@ -320,12 +320,15 @@ class EnrootConfig(_Strict):
                                 "nodes (e.g. 3.5.0); default: the enroot on this host.  Enroot "
                                 "3.x cannot pull by digest: recipes then pin squashfs files")
 
-    distribution: Literal["shared", "fetch", "sbcast"] = Field(
+    distribution: Literal["shared", "fetch", "sbcast", "broadcast"] = Field(
         default="shared", description="how jobs get their image onto the nodes: shared "
         "(outputs.squashfs_dir is on the cluster file system: the first node's import serves "
         "every node), fetch (a node-local squashfs_dir: each node's importer fetches for "
-        "itself) or sbcast (a node-local squashfs_dir: the job's batch host gets the image "
-        "once and Slurm's sbcast copies it to every node, each node checking its sha256)")
+        "itself), sbcast (a node-local squashfs_dir: the job's batch host gets the image "
+        "once and Slurm's sbcast copies it to every node, each node checking its sha256) or "
+        "broadcast (node-local too: the batch host's fetch is streamed to every node over "
+        "MPI while it arrives, each node hashing as it receives; needs Open MPI, "
+        "python3-mpi4py and Slurm's pmix plugin, else sbcast)")
     sbcast_fanout: int = Field(default=4, ge=1, le=64, description="sbcast's message tree "
                                "width (--fanout; Slurm 22.05 takes at most 8)")
     sbcast_block: str = Field(default="8M", description="sbcast's block size (--size): "
