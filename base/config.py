@@ -336,6 +336,12 @@ class EnrootConfig(_Strict):
     importer_path: str = Field(default="/usr/local/bin/imgpipe-pyxis-importer",
                                description="the importer on the compute nodes, as the "
                                "recipes run it to stage images (fetch and sbcast)")
+    pyxis_importer: bool | None = Field(
+        default=None, description="whether the nodes' Pyxis line has importer= (`node-config "
+        "--accept importer`; `site init --pyxis-importer`): true, the recipes pin images by "
+        "digest and the importer serves them; false, they pin the squashfs file `imgpipe "
+        "convert` made in the shared folder (refused until it exists); unset, a converted "
+        "file when this checkout's lock holds one and the folder is shared, else the digest")
 
     @property
     def default_compression(self) -> str:

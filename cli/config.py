@@ -29,7 +29,8 @@ def config() -> None:
               "built-in value).")
 @reporting
 def show(ctx: click.Context, origin: bool) -> Result:
-    """Print every effective key and its value, one a line.
+    """Print every effective key and its value, one a line, then a warning line for each
+    set of keys that cannot work together (e.g. published compressions no node asks for).
 
     \b
     Examples:
@@ -37,11 +38,14 @@ def show(ctx: click.Context, origin: bool) -> Result:
       imgpipe config show --origin | grep -v default
       imgpipe config show --json | jq '.data.keys[] | select(.key == "registry.host")'
     """
-    from imgpipe.commands.site.config import effective_keys
+    from imgpipe.commands.site.config import conflicts, effective_keys
 
-    keys = effective_keys(settings_of(ctx))
+    settings = settings_of(ctx)
+    keys = effective_keys(settings)
     width = max((len(k.origin) for k in keys), default=0)
     lines = [(f"{k.origin:<{width}}  " if origin else "") + f"{k.key}={json.dumps(k.value)}"
              for k in keys]
+    found = conflicts(settings)  # each key valid, together they cannot work
     return Result({"keys": [{"key": k.key, "value": k.value, "origin": k.origin}
-                            for k in keys]}, lines)
+                            for k in keys], "conflicts": found},
+                  lines + [f"warning: {line}" for line in found])

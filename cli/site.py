@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import get_args
 
 import click
 
+from imgpipe.base.config import EnrootConfig
 from imgpipe.cli.clikit import CONTEXT, reporting
 from imgpipe.cli.output import Result
+
+DISTRIBUTIONS = list(get_args(EnrootConfig.model_fields["distribution"].annotation))
 
 REQUIRED = {"registry": "the head node's registry, HOST[:PORT]",
             "squashfs_dir": "where squashfs files go (a shared folder, or node-local)",
@@ -25,10 +29,18 @@ def site() -> None:
 @click.option("--registry", default=None, metavar="HOST[:PORT]", help=REQUIRED["registry"])
 @click.option("--registry-ca", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="The registry's TLS CA certificate (the site's CA).")
-@click.option("--plain-http", is_flag=True, help="A registry without TLS (every node then "
-              "needs ENROOT_ALLOW_HTTP, which switches every registry to http).")
+@click.option("--plain-http", is_flag=True, help="A registry without TLS.  imgpipe's importer "
+              "fetches over http by itself; Enroot pulling imgpipe's images without the "
+              "importer would need ENROOT_ALLOW_HTTP, which switches every registry to http.")
 @click.option("--squashfs-dir", type=click.Path(path_type=Path), default=None,
               help=REQUIRED["squashfs_dir"])
+@click.option("--distribution", type=click.Choice(DISTRIBUTIONS), default=None,
+              help="How images reach the nodes (enroot.distribution): shared (the folder is on "
+              "a cluster file system; the default there), fetch or sbcast (a node-local "
+              "folder on every node; must be said for a folder on a local disk).")
+@click.option("--pyxis-importer/--no-pyxis-importer", default=None,
+              help="Whether the nodes' Pyxis line has importer= (node-config --accept "
+              "importer): the recipes then pin images by digest, else squashfs files.")
 @click.option("--partition", default=None, help=REQUIRED["partition"])
 @click.option("--data-root", type=click.Path(path_type=Path), default=None,
               help=REQUIRED["data_root"])
@@ -52,7 +64,8 @@ def init(ctx: click.Context, registry: str | None, registry_ca: Path | None, pla
          squashfs_dir: Path | None, partition: str | None, data_root: Path | None,
          flavor: str, profile_name: str, base_profile: str, gpus_per_node: int | None,
          hcas: str | None, cores_per_node: int | None, gpu_memory_gb: int | None,
-         busbw_gbs: float | None, config_path: Path, force: bool) -> Result:
+         busbw_gbs: float | None, config_path: Path, force: bool, distribution: str | None,
+         pyxis_importer: bool | None) -> Result:
     """Write the site config (/etc/imgpipe/imgpipe.yaml) and a site profile.
 
     On a terminal, what no flag gave is asked; otherwise every required flag must be given.
@@ -82,7 +95,7 @@ def init(ctx: click.Context, registry: str | None, registry_ca: Path | None, pla
         base_profile=base_profile, gpus_per_node=gpus_per_node,
         hcas=hcas.split(",") if hcas else None, cores_per_node=cores_per_node,
         gpu_memory_gb=gpu_memory_gb, busbw_gbs=busbw_gbs, config=config_path,
-        overwrite=force))
+        overwrite=force, distribution=distribution, pyxis_importer=pyxis_importer))
     return Result({"written": [str(p) for p in written]},
                   ([f"wrote {p}" for p in written] or [f"{config_path}: as answered already"]) + [
                       f"next: imgpipe recipes profile check {profile_name} (on a compute "

@@ -8,9 +8,12 @@ set -euo pipefail
 # The head node's registry, and the CA that signed its certificate ("": http)
 REGISTRY=${REGISTRY-head:5000}
 REGISTRY_CA=${REGISTRY_CA-/etc/pki/site-ca.crt}
-# The squashfs folder every node shares; the partition jobs run in; the folder
-# for data, checkpoints and results
+# The squashfs folder, and how images reach it on the nodes: shared (on the
+# cluster file system), or sbcast / fetch (a node-local folder, the same path on
+# every node); the partition jobs run in; the folder for data, checkpoints and
+# results
 SQUASHFS=${SQUASHFS-/lustre/imgpipe/squashfs}
+DISTRIBUTION=${DISTRIBUTION-shared}
 PARTITION=${PARTITION-gpu}
 DATA=${DATA-/lustre/bert}
 # The shipped profile nearest your nodes, and how yours differ (empty: as
@@ -28,7 +31,10 @@ RUNTIME=${RUNTIME-pyxis}
 NODES=${NODES-2}
 TASKS=${TASKS-8}
 AS_USER=${AS_USER-}
-# "importer": also add importer= to the site's own Pyxis line
+# Lines that change the site's jobs, taken (space-separated; node-config prints
+# each, commented, with what it changes): importer (importer= on the site's
+# Pyxis line), pyxis (a Pyxis line where there is none), container_scope,
+# squashfuse
 ACCEPT=${ACCEPT-}
 # A node image instead of this host; imgpipe as installed on the nodes;
 # imgpipe's checkout (its catalog and lock)
@@ -43,9 +49,15 @@ as_user() {
 say "1. the site's config and profile (login node, as root)"
 tls=(--plain-http)
 if [ -n "$REGISTRY_CA" ]; then tls=(--registry-ca "$REGISTRY_CA"); fi
+importer=--no-pyxis-importer accept=()
+for line in $ACCEPT; do
+  accept+=(--accept "$line")
+  if [ "$line" = importer ]; then importer=--pyxis-importer; fi
+done
 # shellcheck disable=SC2086 # NODE_SHAPE is flags
 "$IMGPIPE" site init --registry "$REGISTRY" "${tls[@]}" \
-    --squashfs-dir "$SQUASHFS" --partition "$PARTITION" --data-root "$DATA" \
+    --squashfs-dir "$SQUASHFS" --distribution "$DISTRIBUTION" "$importer" \
+    --partition "$PARTITION" --data-root "$DATA" \
     --flavor "$FLAVOR" --from "$PROFILE_FROM" $NODE_SHAPE
 "$IMGPIPE" config show --origin
 "$IMGPIPE" doctor || echo "doctor: the lines above say what this host lacks"
@@ -59,8 +71,6 @@ fi
 
 say "3. imgpipe on each compute node (as root; NODE_ROOT for a node image)"
 "$IMGPIPE" node-config --check --root "$NODE_ROOT"
-accept=()
-if [ -n "$ACCEPT" ]; then accept=(--accept "$ACCEPT"); fi
 "$IMGPIPE" node-config --apply --root "$NODE_ROOT" "${accept[@]}"
 "$IMGPIPE" node-config --make-cache "$SQUASHFS"
 "$IMGPIPE" recipes profile check site \
@@ -70,12 +80,13 @@ say "4. the first jobs (login node, as a user, in the checkout)"
 # Under DATA, which every node sees: sbatch --chdir must exist on the nodes too.
 recipes="$DATA/first-hour-recipes"
 as_user mkdir -p "$recipes"
-as_user "$IMGPIPE" recipes render --profile site --nodes "$NODES" \
-    --runtime "$RUNTIME" -o "$recipes"
-if [ "$RUNTIME" != pyxis ]; then
-  # No importer to ask: the job is handed the squashfs file itself.
+if [ "$RUNTIME" != pyxis ] || [ "$importer" = --no-pyxis-importer ]; then
+  # No importer to ask: the job is handed the squashfs file itself (recorded in
+  # the lock, so that the recipes pin it).
   CONT=$(as_user "$IMGPIPE" convert -q bert --flavor "$FLAVOR"); export CONT
 fi
+as_user "$IMGPIPE" recipes render --profile site --nodes "$NODES" \
+    --runtime "$RUNTIME" -o "$recipes"
 job=$(as_user sbatch --parsable --wait -N"$NODES" --ntasks-per-node="$TASKS" \
     --chdir "$recipes" "$recipes/nccl.sub")
 as_user "$IMGPIPE" nccl check "$DATA/results/nccl-$job.log" --profile site \

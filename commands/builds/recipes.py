@@ -58,13 +58,26 @@ def pin(settings: Settings, image: str, flavor: str, required: bool = True,
                  if known is not None and flavor in known.spec.flavors else None)
     if entry is None:
         return None
-    return _on_nodes(settings, entry.squashfs_file()) or entry.reference
+    return _on_nodes(settings, entry.squashfs_file(), image, flavor) or entry.reference
 
 
-def _on_nodes(settings: Settings, converted: SquashfsPath | None) -> SquashfsPath | None:
-    """A squashfs file converted here, when the nodes can open it: only where the squashfs
-    folder is the cluster's shared one (node-local caches get the image by its digest)."""
-    return converted if settings.enroot.distribution == "shared" else None
+def _on_nodes(settings: Settings, converted: SquashfsPath | None, image: str, flavor: str,
+              platform: str = "") -> SquashfsPath | None:
+    """What the nodes are handed instead of the digest: the squashfs file converted here,
+    by what the site says its nodes run (enroot.pyxis_importer).  With the importer, the
+    digest (it serves the image); without it, the file (refused until it exists); unsaid,
+    the file where one exists and the folder is the cluster's shared one."""
+    importer = settings.enroot.pyxis_importer
+    if importer or settings.enroot.distribution != "shared":
+        return None  # the importer gets it (node-local caches stage through it too)
+    if importer is False and converted is None:
+        also = f" --platform {platform}" if platform else ""
+        raise ConfigError(f"the nodes run Pyxis without imgpipe's importer "
+                          f"(enroot.pyxis_importer: false), so jobs need {image}/{flavor}'s "
+                          "squashfs file, and imgpipe.lock records none",
+                          hint=f"imgpipe convert {image} --flavor {flavor}{also} (on a host "
+                          "that sees the shared squashfs folder), then render again")
+    return converted
 
 
 def pinned_digest(settings: Settings, pinned: Reference | SquashfsPath | str) -> str:
@@ -104,7 +117,8 @@ def platform_pins(settings: Settings, image: str, flavor: str, only: Platform | 
     pins: dict[str, Reference | SquashfsPath] = {}
     for platform in chosen:
         held = entry.platform_pin(platform)
-        pins[str(platform)] = (_on_nodes(settings, held.squashfs_file())
+        pins[str(platform)] = (_on_nodes(settings, held.squashfs_file(), image, flavor,
+                                         str(platform))
                                or entry.reference.with_digest(held.digest))
     return pins
 

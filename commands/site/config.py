@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from imgpipe.base.config import Settings
+from imgpipe.base.configcheck import conflicts
 
-__all__ = ["Key", "effective_keys"]
+__all__ = ["Key", "conflicts", "effective_keys"]
 
 
 @dataclass(frozen=True)

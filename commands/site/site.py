@@ -17,9 +17,11 @@ from pathlib import Path
 import yaml
 
 from imgpipe.base.adminpath import Admins, walk_admin_folder
+from imgpipe.base.configcheck import conflicts
 from imgpipe.base.configlayers import SITE_CONFIG, parse_settings
 from imgpipe.base.errors import ConfigError
 from imgpipe.base.files import atomic_write
+from imgpipe.base.mounts import filesystem_type, is_shared_type
 from imgpipe.commands.site.nccl import site_profile
 from imgpipe.commands.site.profiles import NAME, profile_text
 from imgpipe.recipes.profiles import Profile
@@ -45,6 +47,8 @@ class SiteAnswers:
     busbw_gbs: float | None = None
     config: Path = SITE_CONFIG
     overwrite: bool = False
+    distribution: str | None = None  # None: shared on a cluster file system, else asked
+    pyxis_importer: bool | None = None  # the nodes' Pyxis line has importer=
     notes: list[str] = field(default_factory=list)
 
 
@@ -55,8 +59,9 @@ def _registry(answers: SiteAnswers) -> dict[str, object]:
         raise ConfigError(f"--registry {answers.registry}: say HOST or HOST:PORT")
     if answers.ca_file is None and not answers.plain_http:
         raise ConfigError("the registry's TLS CA is needed (--registry-ca FILE)",
-                          hint="or --plain-http, which needs ENROOT_ALLOW_HTTP on every node: "
-                          "it switches every registry, nvcr.io too, to http")
+                          hint="or --plain-http: imgpipe's importer fetches over http by "
+                          "itself; only Enroot pulling imgpipe's images without the importer "
+                          "would need ENROOT_ALLOW_HTTP, which switches every registry to http")
     values: dict[str, object] = {"host": host, "port": int(port),
                                  "scheme": "http" if answers.plain_http else "https"}
     if answers.ca_file is not None:
@@ -66,12 +71,30 @@ def _registry(answers: SiteAnswers) -> dict[str, object]:
     return values
 
 
+def distribution_of(answers: SiteAnswers) -> str:
+    """How images reach the nodes: as said, else ``shared`` for a folder on a cluster file
+    system; a folder on a disk of this host alone must be said (node-local or not)."""
+    if answers.distribution is not None:
+        return answers.distribution
+    kind = filesystem_type(answers.squashfs_dir)
+    if is_shared_type(kind):
+        return "shared"
+    raise ConfigError(f"--squashfs-dir {answers.squashfs_dir} is on {kind or 'an unknown'} "
+                      "file system, a disk of this host alone: say how images reach the nodes",
+                      hint="--distribution sbcast or fetch (a node-local folder on every node), "
+                      "or shared (the same folder on every node)")
+
+
 def site_config(answers: SiteAnswers) -> dict[str, object]:
     data = answers.data_root
+    enroot: dict[str, object] = {"distribution": distribution_of(answers)}
+    if answers.pyxis_importer is not None:
+        enroot["pyxis_importer"] = answers.pyxis_importer
     return {
         "registry": _registry(answers),
         "default_flavor": answers.flavor,
         "outputs": {"squashfs_dir": str(answers.squashfs_dir)},
+        "enroot": enroot,
         "recipes": {"profiles_dir": str(answers.config.parent / "profiles"),
                     "partition": answers.partition,
                     "data_dir": str(data / "data"), "checkpoint_dir": str(data / "checkpoints"),
@@ -127,7 +150,9 @@ def init_site(answers: SiteAnswers) -> list[Path]:
     try:
         with os.fdopen(fd, "w") as handle:
             handle.write(text)
-        parse_settings(staged)  # the same model every command reads it with
+        found = conflicts(parse_settings(staged))  # the same model every command uses
+        if found:
+            raise ConfigError(f"these answers cannot work together: {found[0]}")
     finally:
         staged.unlink(missing_ok=True)
     return [atomic_write(profile_path, profile_text(profile), mode=0o644),

@@ -2,13 +2,14 @@
 written on the sandbox cluster set up as an existing site.
 
 The site has its own files before imgpipe comes: a node image with its own enroot.conf,
-environ.d and Pyxis line (Pyxis 0.24), a partition named `debug`, a CPU profile that is no DGX.
-imgpipe reaches the nodes as the guide says: a wheel built from the checkout, installed with its
-dependencies into a venv of the system Python.  The script then writes the site config in /etc,
-checks and applies the nodes' config (the importer accepted), sets the shared cache up, checks
-the profile against the node, renders the recipes as a user and runs the NCCL check and the
-report.  Afterwards the site's own files are as they were, except the Pyxis line the admin
-accepted, which is kept in a backup.
+environ.d and Pyxis line (Pyxis 0.24) in a plugstack.conf with no plugstack.conf.d, a partition
+named `debug`, a CPU profile that is no DGX.  imgpipe reaches the nodes as the guide says: the
+wheels `./setup.sh node-wheels` makes, installed into a venv of the system Python (the node
+image holds imgpipe in /opt/imgpipe, where its importer link points).  The script then writes
+the site config in /etc, checks and applies the nodes' config (the importer accepted), sets the
+shared cache up, checks the profile against the node, renders the recipes as a user and runs
+the NCCL check and the report.  Afterwards the site's own files are as they were, except the
+Pyxis line the admin accepted, which is kept in a backup.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ SITE_CONFIG = Path("/etc/imgpipe")
 PYXIS = ("required /usr/lib/x86_64-linux-gnu/slurm-wlm/spank_pyxis.so "
          "runtime_path=/run/pyxis container_scope=job sbatch_support=1")
 SITE_FILES = {
-    "etc/slurm/plugstack.conf": "include /etc/slurm/plugstack.conf.d/*.conf\n",
-    "etc/slurm/plugstack.conf.d/pyxis.conf": PYXIS + "\n",
+    "etc/slurm/slurm.conf": "ClusterName=site\nPartitionName=debug Nodes=ALL\n",
+    "etc/slurm/plugstack.conf": "optional /usr/lib/site/spank_x11.so\n" + PYXIS + "\n",
     "etc/enroot/enroot.conf": "ENROOT_RUNTIME_PATH /run/enroot/user-$(id -u)\n"
                               "ENROOT_SQUASH_OPTIONS -comp lzo -noD\n",
     "etc/enroot/environ.d/50-site.env": "NCCL_SOCKET_IFNAME=ib0\n",
@@ -55,23 +56,20 @@ def site_etc() -> Iterator[None]:
 
 
 def _node_venv(work: Path) -> Path:
-    """imgpipe as the guide installs it on a node: a wheel of the checkout, its dependencies
-    downloaded beside it, a venv of the system Python every user can run."""
+    """imgpipe as the guide installs it on a node: `./setup.sh node-wheels` in the checkout,
+    then a venv of the system Python, from those wheels alone, every user can run."""
     source = work / "source"
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
         "build", ".venv", ".git", "__pycache__", "*.egg-info", "dist"))
-    dist = work / "dist"
     python = "/usr/bin/python3"
-    subprocess.run([python, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dist),
-                    str(source)], check=True, capture_output=True, timeout=300)
-    [wheel] = dist.glob("imgpipe-*.whl")
-    subprocess.run([python, "-m", "pip", "download", "-q", "-d", str(dist / "deps"),
-                    str(wheel)], check=True, capture_output=True, timeout=900)
+    subprocess.run(["bash", "setup.sh", "node-wheels"], check=True, capture_output=True,
+                   timeout=900, cwd=source, env={"PATH": "/usr/bin:/bin", "PYTHON": python,
+                                                 "HOME": str(work)})
     venv = work / "opt-imgpipe"
     subprocess.run([python, "-m", "venv", str(venv)], check=True, capture_output=True)
     subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--no-index", "--find-links",
-                    str(dist / "deps"), str(wheel)], check=True, capture_output=True,
-                   timeout=900)
+                    str(source / "dist" / "nodes" / "x86_64"), "imgpipe"], check=True,
+                   capture_output=True, timeout=900)
     subprocess.run(["chmod", "-R", "a+rX", str(work)], check=True)
     return venv
 
@@ -88,6 +86,7 @@ def test_the_first_hour_runs_as_written_and_leaves_the_sites_files(cluster, bert
     data = work / "lustre-bert"
     owned_by(ALICE, data, data / "results")
     env = {"REGISTRY": "head:5000", "REGISTRY_CA": "", "SQUASHFS": str(work / "squashfs"),
+           "DISTRIBUTION": "shared",
            "PARTITION": "debug", "DATA": str(data), "PROFILE_FROM": "local",
            "NODE_SHAPE": f"--cores-per-node {os.cpu_count()}", "FLAVOR": "cpu",
            "IMAGES": "", "RUNTIME": "charliecloud", "NODES": "2", "TASKS": "2",
@@ -107,13 +106,15 @@ def test_the_first_hour_runs_as_written_and_leaves_the_sites_files(cluster, bert
     # 3. the node: a diff first, then imgpipe's own files, the accepted line, nothing else
     assert f"  + {PYXIS} importer=/usr/local/bin/imgpipe-pyxis-importer" in said
     assert "  ! changes existing jobs: every job's --container-image" in said
+    assert "plugstack: /etc/slurm/plugstack.conf (beside /etc/slurm/slurm.conf" in said
     after = sums(node)
     changed = {name for name in before if after.get(name) != before[name]}
-    assert changed == {"etc/slurm/plugstack.conf.d/pyxis.conf"}, changed
-    [backup] = (node / "var/lib/imgpipe/backups").rglob("pyxis.conf")
-    assert backup.read_text() == PYXIS + "\n"
-    assert (node / "usr/local/bin/imgpipe-pyxis-importer").resolve() == \
-        (venv / "bin/imgpipe-pyxis-importer").resolve()
+    assert changed == {"etc/slurm/plugstack.conf"}, changed  # its own line, nothing beside
+    assert not (node / "etc/slurm/plugstack.conf.d").exists()
+    [backup] = (node / "var/lib/imgpipe/backups").rglob("plugstack.conf")
+    assert backup.read_text() == SITE_FILES["etc/slurm/plugstack.conf"]
+    assert os.readlink(node / "usr/local/bin/imgpipe-pyxis-importer") == \
+        "/opt/imgpipe/bin/imgpipe-pyxis-importer"
     assert (node / "etc/imgpipe/imgpipe.yaml").read_text() == site
     assert (work / "squashfs" / ".imgpipe" / "VERSION").is_file()
     assert "profile site: matches this node" in said

@@ -428,7 +428,8 @@ def test_root_site_init_and_node_config_never_write_through_a_users_folder(accou
     assert done.returncode == 0, done.stderr
     bob = f"uid {accounts['uid'][BOB]} ({BOB})"
     site = ["site", "init", "--registry", "head:5000", "--plain-http", "--squashfs-dir", "/x",
-            "--partition", "gpu", "--data-root", "/x", "--hcas", "mlx5_0"]
+            "--partition", "gpu", "--data-root", "/x", "--hcas", "mlx5_0",
+            "--distribution", "shared"]
     for config, refusal in ((scratch / "bobs" / "imgpipe.yaml",
                              f"{scratch}/bobs was made by {bob}"),
                             (scratch / "linked" / "imgpipe.yaml",

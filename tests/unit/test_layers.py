@@ -73,6 +73,15 @@ def test_each_map_names_every_module_in_its_contracts_order(folder: str) -> None
         assert [type(node).__name__ for node in tree.body] == ["Expr"], sub
 
 
+def test_no_module_passes_500_lines() -> None:
+    """One job per module (STYLE.md: 150-500 lines): a module past 500 lines holds two and
+    is split where they part, named here."""
+    long = [f"{path.relative_to(ROOT)}: {lines} lines" for root in ROOTS
+            for path in sorted((ROOT / root.removeprefix("imgpipe.")).rglob("*.py"))
+            if (lines := len(path.read_text().splitlines())) > 500]
+    assert long == []
+
+
 def test_a_module_off_the_map_and_an_import_across_fail_the_check(tmp_path: Path) -> None:
     """The enroot/ contract with nodeconfig left off its map, and the flattener forbidden the
     layer errors it really imports: both are named."""

@@ -21,7 +21,7 @@ def test_site_init_writes_a_config_and_profile_that_load(cli, tmp_path: Path) ->
                          "--squashfs-dir", "/lustre/imgpipe/sq", "--partition", "gpu",
                          "--data-root", "/lustre/bert", "--from", "dgx-a100", "--hcas",
                          "mlx5_0,mlx5_1", "--gpus-per-node", "4", "--cores-per-node", "64",
-                         "--config", str(config))
+                         "--distribution", "shared", "--config", str(config))
     assert code == 0, out + err
     settings = load_settings(cwd=tmp_path, site=config)
     assert settings.registry.url == "https://head:5443" and settings.registry.ca_file == ca
@@ -35,10 +35,11 @@ def test_site_init_writes_a_config_and_profile_that_load(cli, tmp_path: Path) ->
                          "--squashfs-dir", "/lustre/imgpipe/sq", "--partition", "gpu",
                          "--data-root", "/lustre/bert", "--from", "dgx-a100", "--hcas",
                          "mlx5_0,mlx5_1", "--gpus-per-node", "4", "--cores-per-node", "64",
-                         "--config", str(config))
+                         "--distribution", "shared", "--config", str(config))
     assert code == 0 and "as answered already" in out, err  # the same answers: idempotent
     code, out, err = cli("site", "init", "--registry", "head", "--plain-http", "--squashfs-dir",
-                         "/x", "--partition", "p", "--data-root", "/d", "--config", str(config))
+                         "/x", "--partition", "p", "--data-root", "/d", "--config", str(config),
+                         "--distribution", "shared")
     assert code == 2 and f"{config} exists already, with other values" in err
     assert "--force" in err
 
@@ -46,9 +47,68 @@ def test_site_init_writes_a_config_and_profile_that_load(cli, tmp_path: Path) ->
 def test_site_init_asks_for_tls_or_says_what_plain_http_costs(cli, tmp_path: Path) -> None:
     code, _, err = cli("site", "init", "--registry", "head", "--squashfs-dir", "/x",
                        "--partition", "p", "--data-root", "/d", "--config",
-                       str(tmp_path / "c.yaml"))
-    assert code == 2 and "--registry-ca FILE" in err and "ENROOT_ALLOW_HTTP" in err
+                       str(tmp_path / "c.yaml"), "--distribution", "shared")
+    assert code == 2 and "--registry-ca FILE" in err
+    # Before, this said every node then needs ENROOT_ALLOW_HTTP: the importer does not.
+    assert "importer fetches over http by itself" in err and "on every node" not in err
     assert not (tmp_path / "c.yaml").exists()
+    code, out, _ = cli("site", "init", "--help")
+    assert "every node then needs" not in out and "importer" in out
+
+
+def _site(cli, tmp_path: Path, *extra: str) -> tuple[int, str, str]:
+    return cli("site", "init", "--registry", "head", "--plain-http", "--squashfs-dir",
+               str(tmp_path / "var-tmp" / "imgpipe"), "--partition", "p", "--data-root", "/d",
+               "--config", str(tmp_path / "etc" / "imgpipe.yaml"), *extra)
+
+
+def test_a_node_local_squashfs_folder_must_say_how_images_reach_the_nodes(cli, tmp_path: Path
+                                                                          ) -> None:
+    """Before, site init never wrote enroot.distribution: a node-local folder stayed
+    `shared`, and every node but the first converted for itself."""
+    code, _, err = _site(cli, tmp_path)
+    assert code == 2 and "a disk of this host alone" in err and "--distribution sbcast" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "etc").exists()
+    code, _, err = _site(cli, tmp_path, "--distribution", "sbcast", "--pyxis-importer")
+    assert code == 0, err
+    settings = load_settings(cwd=tmp_path, site=tmp_path / "etc" / "imgpipe.yaml")
+    assert settings.enroot.distribution == "sbcast" and settings.enroot.pyxis_importer is True
+
+
+def test_answers_that_cannot_work_together_are_refused(cli, tmp_path: Path) -> None:
+    code, _, err = _site(cli, tmp_path, "--distribution", "fetch", "--no-pyxis-importer")
+    assert code == 2 and "cannot work together" in err and "node-config --accept importer" in err
+    assert not (tmp_path / "etc" / "imgpipe.yaml").exists()
+
+
+def test_a_cluster_file_system_is_shared(tmp_path: Path) -> None:
+    from imgpipe.base.mounts import filesystem_type, is_shared_type
+
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(
+        "22 1 259:2 / / rw,relatime shared:1 - ext4 /dev/nvme0n1p2 rw\n"
+        "40 22 0:51 / /lustre rw,relatime shared:20 - lustre 10.0.0.1@o2ib:/fs rw\n"
+        "41 22 0:52 / /var/tmp rw shared:21 - tmpfs tmpfs rw\n"
+        "42 22 0:53 / /home/with\\040space rw - nfs4 srv:/home rw\n")
+    assert filesystem_type(Path("/lustre/imgpipe/squashfs"), mountinfo) == "lustre"
+    assert filesystem_type(Path("/var/tmp/imgpipe"), mountinfo) == "tmpfs"
+    assert filesystem_type(Path("/home/with space/x"), mountinfo) == "nfs4"
+    assert filesystem_type(Path("/opt"), mountinfo) == "ext4"
+    assert is_shared_type("lustre") and is_shared_type("fuse.sshfs")
+    assert not is_shared_type("tmpfs") and not is_shared_type(None)
+
+
+def test_config_show_says_what_cannot_work_together(cli) -> None:
+    """squashfuse makes nodes ask for lz4; publishing zstd alone meant every node converted,
+    silently (docs/configuration.md's own example did it)."""
+    cli.write_config({"enroot": {"squashfuse": True, "publish_compressions": ["zstd"]}})
+    code, out, err = cli("config", "show")
+    assert code == 0, err
+    [warning] = [line for line in out.splitlines() if line.startswith("warning:")]
+    assert "lacks lz4, the compression nodes ask for (enroot.squashfuse: true)" in warning
+    cli.write_config({"enroot": {"squashfuse": True, "publish_compressions": ["zstd", "lz4"]}})
+    code, out, _ = cli("config", "show")
+    assert "warning:" not in out
 
 
 def test_profile_new_copies_one_to_edit(cli, tmp_path: Path) -> None:
