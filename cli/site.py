@@ -36,7 +36,7 @@ def site() -> None:
               help=REQUIRED["squashfs_dir"])
 @click.option("--distribution", type=click.Choice(DISTRIBUTIONS), default=None,
               help="How images reach the nodes (enroot.distribution): shared (the folder is on "
-              "a cluster file system; the default there), fetch or sbcast (a node-local "
+              "a cluster file system; the default there), fetch, sbcast or broadcast (a node-local "
               "folder on every node; must be said for a folder on a local disk).")
 @click.option("--pyxis-importer/--no-pyxis-importer", default=None,
               help="Whether the nodes' Pyxis line has importer= (node-config --accept "
