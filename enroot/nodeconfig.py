@@ -262,7 +262,13 @@ def cache_lines(squashfs: Path, distribution: str) -> list[str]:
     lines = ["# enroot.distribution: "
              f"{distribution}: {squashfs} is node-local; make it on every node at each boot",
              "# (before slurmd starts; a tmpfs or local NVMe folder starts empty):", make]
-    if distribution == "sbcast":
+    if distribution == "broadcast":
+        lines += ["# broadcast: Open MPI and mpi4py on every node (apt-get install openmpi-bin",
+                  "# python3-mpi4py; a venv of the system Python loads Debian's mpi4py), and",
+                  "# Slurm's pmix plugin (`srun --mpi=list` names pmix; Debian's loads",
+                  "# libpmix.so, which libpmix-dev installs); where nodes share /tmp, mpi.conf's",
+                  "# PMIxCliTmpDirBase on a node-local folder. Missing any: sbcast, in one line."]
+    if distribution in ("sbcast", "broadcast"):
         lines += ["# sbcast on every node's PATH (Slurm's client commands): the job's batch host",
                   "# runs it; slurm.conf needs nothing (BcastParameters may set defaults,",
                   "# BcastAddr may put its traffic on another network)."]
