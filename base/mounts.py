@@ -24,7 +24,7 @@ def _unescape(field: str) -> str:
 def filesystem_type(path: Path, mountinfo: Path = MOUNTINFO) -> str | None:
     """The type of the file system that holds ``path`` (or would: its nearest existing
     folder), from the longest mount point above it; None when the table cannot be read."""
-    target, rest = Path(os.path.abspath(path)), []
+    target, rest = Path(os.path.abspath(path)), list[str]()
     while not target.exists() and target != target.parent:  # links resolved where they are
         rest.insert(0, target.name)
         target = target.parent

@@ -1,6 +1,7 @@
 """The `imgpipe` command: parses, dispatches, and is the one place errors are printed.
 
-Exit codes: 0 ok, 1 failed, 2 usage or configuration error, 130 interrupted.
+Exit codes: 0 ok, 1 failed, 2 usage or configuration error, 130 interrupted (Ctrl-C), 143
+stopped by SIGTERM (scancel, a time limit).
 An ImgpipeError prints ``error: … (hint: …)`` and no traceback; anything else
 is a bug and keeps its traceback.
 """

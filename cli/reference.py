@@ -74,8 +74,9 @@ def commands_page() -> str:
     lines = [GENERATED, "# Commands", "",
              "Every command and its options, from the commands themselves (`imgpipe COMMAND "
              "--help` prints the same). Exit codes: 0 ok, 1 failed, 2 usage or configuration "
-             "error, 130 interrupted. Reporting commands take `--json` (one envelope: "
-             "version, status, data, errors).", ""]
+             "error, 130 interrupted (Ctrl-C), 143 stopped by SIGTERM (scancel, a time "
+             "limit). Reporting commands take `--json` (one envelope: version, status, data, "
+             "errors).", ""]
     for path, command, ctx in _walk(cli, root, []):
         title = " ".join(["imgpipe", *path])
         lines += [f"## {title}", "", "```text", command.get_usage(ctx).replace("Usage: ", ""),

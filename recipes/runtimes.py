@@ -42,6 +42,11 @@ _HEADER = '''\
 # sets REPLY to the path the program sees.  Host paths may not hold ':' or ',' (mount syntax).
 # `step` holds srun options for the next launch (e.g. -N1 -n1).
 step=()
+# A switch the user sets (SELFTEST, TRUST_CHECKPOINT, EXPORT): unset, empty, 0, no, false
+# and off (any case) turn it off, everywhere; anything else turns it on.
+switch_on() {
+  case "${1,,}" in ''|0|no|false|off) return 1 ;; *) return 0 ;; esac
+}
 '''
 
 _CONTAINER = _HEADER + '''\

@@ -118,7 +118,8 @@ def profiles_page() -> str:
 
 # What a user may set for the rendered job scripts (sbatch --export, or exported before
 # sbatch), and what the Pyxis importer reads.  Every variable the templates read with a
-# default (or require) is here; the drift test compares this with the templates.
+# default (or require) is here; tests/unit/test_docs_admin.py compares this with the templates
+# and runs each switch both ways.
 ENVIRONMENT: dict[str, tuple[str, str]] = {
     "CONT": ("all", "the image the job runs in (default: the one pinned when rendered)"),
     "IMGPIPE_IMAGE_DIGEST": ("all", "the digest of CONT when CONT is not the rendered default "
@@ -146,13 +147,19 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     "INIT_CHECKPOINT": ("run.sub", "weights to start from: a phase 1 checkpoint, a Hugging "
                         "Face folder or an NVIDIA checkpoint (phase 1 too: continued "
                         "pre-training)"),
-    "TRUST_CHECKPOINT": ("run.sub", "1: let INIT_CHECKPOINT hold pickled Python objects "
-                         "(NVIDIA's 2020-2022 checkpoints)"),
-    "EXPORT": ("run.sub", "hf or nvidia: after phase 2, export the model in that layout"),
+    "TRUST_CHECKPOINT": ("run.sub", "switch: on (1, yes, true) lets INIT_CHECKPOINT hold "
+                         "pickled Python objects (NVIDIA's 2020-2022 checkpoints); off (0, no, "
+                         "false, empty, unset) refuses them"),
+    "EXPORT": ("run.sub", "hf or nvidia: after phase 2, export the model in that layout; off "
+               "(0, no, false, empty, unset): no export; anything else ends the job before "
+               "training"),
     "LOG_FREQ": ("run.sub", "optimizer steps per log line"),
     "CHECKPOINT_EVERY": ("run.sub", "optimizer steps between checkpoints"),
-    "COMPRESSION": ("run.sub", "the squashfs compression a job asks the importer for"),
-    "SELFTEST": ("run.sub", "0: skip the image's self-test before training"),
+    "COMPRESSION": ("dataset.sub", "the shards' HDF5 compression: gzip (default), lzf or "
+                    "none"),
+    "SELFTEST": ("run.sub", "switch: on (1, yes, true) runs the image's self-test on every "
+                 "node, then trains; only: the self-test and nothing else; off (0, no, false, "
+                 "empty, unset): straight to training"),
     "PYTHON": ("run.sub", "the Python in the image (host runtime)"),
     "BENCH": ("nccl.sub", "all_reduce_perf (nccl-tests) or pytorch (the all-reduce benchmark "
               "in the bert image)"),
@@ -172,6 +179,11 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
                               "(enroot.sbcast_fanout)"),
     "IMGPIPE_SBCAST_BLOCK": ("all (node-local caches)", "sbcast's block size "
                              "(enroot.sbcast_block)"),
+    "IMGPIPE_BCAST_ALGORITHM": ("all (node-local caches)", "Open MPI's broadcast algorithm "
+                                "for enroot.distribution broadcast (coll_tuned_bcast_"
+                                "algorithm; default 3, the pipeline)"),
+    "IMGPIPE_BCAST_SEGMENT": ("all (node-local caches)", "that broadcast's segment size in "
+                              "bytes (default 1048576)"),
 }
 IMPORTER_ENVIRONMENT: dict[str, str] = {
     "IMGPIPE_CONFIG": "the one config file the importer reads (default "
@@ -179,7 +191,10 @@ IMPORTER_ENVIRONMENT: dict[str, str] = {
     "IMGPIPE_SQUASHFS_PINS": "published squashfs digests this job trusts, IMAGE=SQUASHFS "
                              "pairs (the recipes export it from imgpipe.lock)",
     "IMGPIPE_PLATFORM": "this node's platform where uname -m cannot say",
-    "XDG_RUNTIME_DIR": "where the step record goes (else ~/.cache/imgpipe)",
+    "PYXIS_RUNTIME_PATH": "Pyxis's runtime_path (Pyxis sets it): another registry's image "
+                          "is imported into PYXIS_RUNTIME_PATH/UID, as Pyxis itself would, and "
+                          "the step record goes there too",
+    "XDG_RUNTIME_DIR": "where the step record goes outside Pyxis (else ~/.cache/imgpipe)",
     "SLURM_JOB_ID, SLURM_STEP_ID": "name the step's record and use markers (Slurm sets them)",
     "ENROOT_*": "passed to `enroot import` for another registry's image, as Pyxis passes them",
 }

@@ -2,11 +2,14 @@
 
 With ``importer=`` in plugstack.conf, Pyxis asks the importer for every ``--container-image``,
 nvcr.io's and Docker Hub's too.  imgpipe serves only its own registry; anything else is
-imported exactly as Pyxis does without an importer: ``enroot import --output FILE URI`` as the
-job's user, with the job's Enroot settings and credentials (``$ENROOT_CONFIG_PATH``), into a
-folder of that user's alone, and removed by ``release`` when the step ends.  So a cluster's
-existing jobs run as before.  A reference that names no registry is Docker Hub's, as Enroot
-reads it.
+imported as Pyxis does without an importer: ``enroot import --output FILE URI`` as the job's
+user, with the job's Enroot settings and credentials (``$ENROOT_CONFIG_PATH``), into the folder
+Pyxis imports into (``$PYXIS_RUNTIME_PATH/UID``, which Pyxis makes for the user on each node),
+and removed by ``release`` when the step ends, as Pyxis removes its own.  Outside Pyxis (or
+where that folder is not the user's alone) the file goes to the user's private folder of the
+node's squashfs cache (``.imgpipe/tmp/uUID``); never the user's home, where a 10-20 GB file per
+node would land on a shared file system.  A reference that names no registry is Docker Hub's,
+as Enroot reads it.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import socket
 from pathlib import Path
 
 from imgpipe.base import process
-from imgpipe.commands.node.importer import IMPORTED, _record_dir, write_record
+from imgpipe.base.errors import ImgpipeError
+from imgpipe.commands.node.importer import IMPORTED, _quick, import_folders, write_record
 
 __all__ = ["enroot_get"]
 
@@ -24,12 +28,20 @@ IMPORT_TIMEOUT_S = 6 * 3600
 
 
 def enroot_get(uri: str) -> Path:
-    """``uri`` imported by Enroot as Pyxis would, into this user's own folder; recorded so
-    that release removes it."""
+    """``uri`` imported by Enroot as Pyxis would, into this user's import folder; recorded
+    so that release removes it."""
     enroot = process.require("enroot")  # before anything is made for it
+    folders = import_folders()
+    if not folders:
+        squashfs = (_quick() or {}).get("squashfs_dir") or "outputs.squashfs_dir"
+        raise ImgpipeError(f"no folder to import {uri} into: neither $PYXIS_RUNTIME_PATH/"
+                           f"{os.getuid()} (Pyxis's) nor {squashfs}/.imgpipe/tmp/"
+                           f"u{os.getuid()} is a folder of yours alone",
+                           hint="run it under Pyxis, or ask the admin to set the node's "
+                           "squashfs folder up (imgpipe node-config --make-cache)")
     job = os.environ.get("SLURM_JOB_ID", "nojob")
     step = os.environ.get("SLURM_STEP_ID", "nostep")
-    out = Path(_record_dir()) / f"import.{socket.gethostname()}.{job}.{step}.squashfs"
+    out = Path(folders[0]) / f"import.{socket.gethostname()}.{job}.{step}.squashfs"
     try:  # a leftover of this step's earlier try: this user's own file only
         if out.lstat().st_uid == os.getuid():
             out.unlink()

@@ -40,16 +40,66 @@ DOCKER_HUB = "registry-1.docker.io"
 IMPORTED = "imported-by-enroot"  # a step record's first line for another registry's image
 
 
-def _record_dir() -> str:
-    """A folder of this user's alone for the step records: $XDG_RUNTIME_DIR, else
-    ~/.cache/imgpipe (never a predictable name in a shared /tmp); made 0700 and checked to
-    be the user's own, not a link."""
+def pyxis_folder() -> str | None:
+    """``$PYXIS_RUNTIME_PATH/UID``: the folder of this user's that Pyxis makes on each node
+    for its own imports (Pyxis sets PYXIS_RUNTIME_PATH for importers); None outside Pyxis
+    or when it is not this user's alone."""
     import stat
 
-    candidates = [os.environ.get("XDG_RUNTIME_DIR", "")]
+    runtime = os.environ.get("PYXIS_RUNTIME_PATH", "")
+    if not runtime.startswith("/"):
+        return None
+    folder = os.path.join(runtime, str(os.getuid()))
+    try:
+        os.mkdir(folder, 0o700)  # Pyxis made it (root's /run/pyxis): this is for a test
+    except OSError:
+        pass
+    try:
+        info = os.lstat(folder)
+    except OSError:
+        return None
+    if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o022:
+        return folder
+    return None
+
+
+def import_folders() -> list[str]:
+    """Where this user's imports may go, in order: Pyxis's runtime folder of this user, the
+    private folder of the node's squashfs cache (made 0700 when the cache is there)."""
+    import stat
+
+    folders = []
+    pyxis = pyxis_folder()
+    if pyxis:
+        folders.append(pyxis)
+    squashfs = (_quick() or {}).get("squashfs_dir")
+    if squashfs:
+        private = os.path.join(str(squashfs), ".imgpipe", "tmp", f"u{os.getuid()}")
+        try:
+            os.mkdir(private, 0o700)
+        except OSError:
+            pass
+        try:
+            info = os.lstat(private)
+            if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() \
+                    and not info.st_mode & 0o077:
+                folders.append(private)
+        except OSError:
+            pass
+    return folders
+
+
+def _record_dir() -> str:
+    """A folder of this user's alone for the step records: Pyxis's runtime folder of this
+    user, else $XDG_RUNTIME_DIR, else ~/.cache/imgpipe (never a predictable name in a shared
+    /tmp); made 0700 and checked to be the user's own, not a link."""
+    import stat
+
+    candidates = [pyxis_folder() or "", os.environ.get("XDG_RUNTIME_DIR", "")]
     home = os.path.expanduser("~")
     if home and home != "~":
         candidates.append(os.path.join(home, ".cache", "imgpipe"))
+    candidates += import_folders()[-1:]  # the node cache's folder of this user's
     for folder in filter(None, candidates):
         try:
             os.makedirs(folder, mode=0o700, exist_ok=True)
@@ -59,8 +109,9 @@ def _record_dir() -> str:
         if (stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()
                 and not info.st_mode & 0o077):
             return folder
-    raise OSError(f"no private folder for the step record: neither $XDG_RUNTIME_DIR nor "
-                  f"{candidates[-1]} is a folder of yours alone (mode 0700)")
+    raise OSError("no private folder for the step record: not $PYXIS_RUNTIME_PATH/"
+                  f"{os.getuid()}, $XDG_RUNTIME_DIR, ~/.cache/imgpipe or the squashfs "
+                  "cache's .imgpipe/tmp/uUID (each must be a folder of yours alone, 0700)")
 
 
 def _step_record() -> str:
@@ -357,9 +408,9 @@ def release() -> None:
     configured = quick.get("squashfs_dir")
     if len(lines) == 2 and lines[0] == IMPORTED:  # an image of another registry: its file
         path = lines[1]
-        if os.path.dirname(path) == _record_dir() and os.path.basename(path).startswith(
-                "import.") and os.lstat(path).st_uid == os.getuid():
-            with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.dirname(path) in import_folders() and os.path.basename(
+                    path).startswith("import.") and os.lstat(path).st_uid == os.getuid():
                 os.unlink(path)
     elif len(lines) == 2 and configured is not None:
         uses, name = lines

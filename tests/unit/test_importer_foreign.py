@@ -1,7 +1,9 @@
 """With `importer=` in plugstack.conf Pyxis sends every image to imgpipe's importer: another
 registry's image (nvcr.io, Docker Hub) is imported as Pyxis does without one, by `enroot
-import` with the job's own Enroot settings, and release removes the file.  Enroot is not
-packaged here: a stand-in records how it was called (the real one was checked by hand)."""
+import` with the job's own Enroot settings, into the folder Pyxis itself imports into
+($PYXIS_RUNTIME_PATH/UID), and release removes the file.  Enroot is not packaged here: a
+stand-in records how it was called (the real one was checked by hand).  As a job user with an
+unwritable home: tests/e2e/test_foreign_import.py."""
 
 from __future__ import annotations
 
@@ -29,7 +31,10 @@ def _importer(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
         enroot.chmod(0o755)
     runtime = tmp_path / "run"
     runtime.mkdir(mode=0o700, exist_ok=True)
+    pyxis = tmp_path / "run-pyxis"
+    (pyxis / str(os.getuid())).mkdir(mode=0o700, parents=True, exist_ok=True)
     env = {**os.environ, "IMGPIPE_CONFIG": str(config), "XDG_RUNTIME_DIR": str(runtime),
+           "PYXIS_RUNTIME_PATH": str(pyxis),
            "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "RECORD": str(tmp_path / "rec"),
            "ENROOT_CONFIG_PATH": "/home/alice/.config/enroot", "SLURM_JOB_ID": "7",
            "SLURM_STEP_ID": "0"}
@@ -43,7 +48,8 @@ def test_another_registrys_image_is_imported_by_enroot_and_released(tmp_path: Pa
         done = _importer(tmp_path, "get", uri)
         assert done.returncode == 0, done.stderr
         path = Path(done.stdout.strip())
-        assert path.parent == tmp_path / "run" and path.read_bytes() == b"hsqs"
+        assert path.parent == tmp_path / "run-pyxis" / str(os.getuid())  # where Pyxis would
+        assert path.read_bytes() == b"hsqs"
         called = (tmp_path / "rec").read_text().splitlines()
         assert called == [f"import --output {path} {uri}",
                           "config=/home/alice/.config/enroot"]  # the job's own settings
