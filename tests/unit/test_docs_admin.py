@@ -196,3 +196,26 @@ def test_the_exit_codes_listed_are_the_ones_imgpipe_returns() -> None:
         text = (ROOT / page).read_text().replace("\n", " ")
         for code in returned:
             assert f"{code} " in text, (page, code)
+
+
+def test_every_config_example_of_the_docs_can_work_as_written() -> None:
+    """docs/configuration.md's example combined squashfuse: true (nodes ask for lz4) with
+    publish_compressions: [zstd]: every node would have converted, silently."""
+    from pydantic import ValidationError
+
+    from imgpipe.base.config import Settings
+    from imgpipe.base.configcheck import conflicts
+
+    checked = 0
+    for page in sorted(DOCS.glob("*.md")):
+        for block in re.findall(r"```yaml\n(.*?)```", page.read_text(), re.DOTALL):
+            try:
+                values = yaml.safe_load(block)
+                settings = Settings.model_validate(values)
+            except (yaml.YAMLError, ValidationError, TypeError, ValueError):
+                continue  # an image.yaml, a profile, a fragment of another file
+            checked += 1
+            found = [line for line in conflicts(settings)
+                     if not line.startswith("registry.server.data_dir")]
+            assert found == [], (page.name, block[:200], found)
+    assert checked >= 3
