@@ -86,12 +86,19 @@ def broadcast(uri: str) -> Path:
     settings = node_settings()
     ref = pinned_reference(uri, settings)
     manifest = ref.digest or ""
+    found = fast_get(uri)
+    # The step's first task runs on the batch host and sends (MPI's rank 0 under srun): its
+    # fetch starts before MPI does, while the other nodes' tasks are still starting.
+    fetch = _Fetch(uri, found) if os.environ.get("SLURM_PROCID") == "0" else None
     mpi = load_mpi()
     world = mpi.COMM_WORLD
     here = socket.gethostname()
-    found = fast_get(uri)
     pins = Pins.from_env().for_image(manifest)
     root = world.Get_rank() == 0
+    if root and fetch is None:
+        fetch = _Fetch(uri, found)
+    elif not root and fetch is not None:  # not the sender after all: this node has fetched
+        found = fetch.result()
     with contextlib.ExitStack() as held:
         cache = storage(settings)
         # a login registry's image is private; a receiver cannot ask the registry, so where
@@ -107,10 +114,10 @@ def broadcast(uri: str) -> Path:
             held.close()
             return get(uri)
         try:
-            if team.Get_size() == 1:  # every other node holds it
-                return found if found is not None else get(uri)
-            if root:
-                return _send(mpi, team, uri, found, pins, here)
+            if root and fetch is not None:
+                if team.Get_size() == 1:  # every other node holds it
+                    return fetch.result()
+                return _send(mpi, team, fetch, pins, here)
             copy = _receive(mpi, team, cache, ref.repository, pins)
         finally:
             team.Free()
@@ -147,25 +154,41 @@ def _bcast_header(mpi: Any, team: Any, header: Header | None) -> bytes:
     return bytes(buffer)
 
 
-def _send(mpi: Any, team: Any, uri: str, found: Path | None, pins: frozenset[str],
-          here: str) -> Path:
-    """The batch host: fetch (unless held) while sending every unit the fetch checked."""
-    started = time.monotonic()
-    prefix = Prefix()
-    failure: list[ImgpipeError | OSError] = []
-    if found is not None:
-        prefix.finish(found)
-    else:
+class _Fetch:
+    """The batch host's fetch on a thread of its own (nothing when it holds the entry),
+    telling ``prefix`` what it has checked."""
+
+    def __init__(self, uri: str, found: Path | None) -> None:
+        self.prefix = Prefix()
+        self.failure: list[ImgpipeError | OSError] = []
+        self.started = time.monotonic()
+        if found is not None:
+            self.prefix.finish(found)
+            return
+
         def fetch() -> None:
             entry = None
             try:
-                entry = get(uri, verified=prefix)
+                entry = get(uri, verified=self.prefix)
             except (ImgpipeError, OSError) as exc:  # said once the others are told
-                failure.append(exc)
+                self.failure.append(exc)
             finally:
-                prefix.finish(entry)
+                self.prefix.finish(entry)
 
-        threading.Thread(target=fetch, name="broadcast-fetch", daemon=True).start()
+        self._thread = threading.Thread(target=fetch, name="broadcast-fetch", daemon=True)
+        self._thread.start()
+
+    def result(self) -> Path:
+        """The entry, once the fetch is over; its error else."""
+        entry = self.prefix.ended()
+        if self.failure or entry is None:
+            raise _failed(self.failure, "the batch host's fetch failed")
+        return entry
+
+
+def _send(mpi: Any, team: Any, fetch: _Fetch, pins: frozenset[str], here: str) -> Path:
+    """The batch host: send every unit its fetch checked (or the entry it held)."""
+    prefix, started = fetch.prefix, fetch.started
     checked = prefix.started()
     header, source = None, prefix.entry
     if checked is not None:
@@ -188,9 +211,7 @@ def _send(mpi: Any, team: Any, uri: str, found: Path | None, pins: frozenset[str
         f"{time.monotonic() - started:.1f} s: "
         f"{len(took)} node(s) took it ({', '.join(took) or 'none'})"
         + (f"; fetching for themselves: {', '.join(fetch_here)}" if fetch_here else ""))
-    if failure or prefix.entry is None:
-        raise _failed(failure, "the batch host's fetch failed")
-    return prefix.entry
+    return fetch.result()
 
 
 def _send_units(mpi: Any, team: Any, header: Header, source: Path, prefix: Prefix,

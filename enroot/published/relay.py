@@ -111,6 +111,12 @@ class Prefix:
             self.done, self.entry = True, entry
             self._ready.notify_all()
 
+    def ended(self) -> Path | None:
+        """What the fetch made, once it is over (None: it failed)."""
+        with self._ready:
+            self._ready.wait_for(lambda: self.done)
+            return self.entry
+
     def started(self) -> Checked | None:
         """The first word of the fetch (None: it ended without one, from a cache hit, one
         stream or a failure)."""
