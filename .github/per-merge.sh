@@ -19,7 +19,12 @@ if [ "$(id -u)" -eq 0 ]; then
   echo "per-merge: run this as the runner's user, not root" >&2
   exit 2
 fi
-install -m 0644 "$IMGPIPE_SITE_CONFIG" imgpipe.yaml
+# The site's own file is read in place (every command reads /etc/imgpipe/imgpipe.yaml first);
+# another path is copied in as the checkout's project config, which, being the runner's file,
+# may not set the keys the threat model trusts (enroot.cache_owner, enroot.cache_writer).
+if [ "$IMGPIPE_SITE_CONFIG" != /etc/imgpipe/imgpipe.yaml ]; then
+  install -m 0644 "$IMGPIPE_SITE_CONFIG" imgpipe.yaml
+fi
 "$IMGPIPE_VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
   --force-reinstall --no-build-isolation .
 imgpipe="$IMGPIPE_VENV/bin/imgpipe"

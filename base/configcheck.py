@@ -20,10 +20,13 @@ def conflicts(settings: Settings) -> list[str]:
                      f"{wanted}, the compression nodes ask for ({why}): push publishes files "
                      f"no node uses and every node converts; add {wanted} to "
                      "enroot.publish_compressions")
-    if enroot.distribution != "shared" and enroot.pyxis_importer is False:
+    if enroot.distribution != "shared" and enroot.pyxis_importer is not True:
+        said = ("is false" if enroot.pyxis_importer is False
+                else "is not set (say true once they have it)")
         found.append(f"enroot.distribution: {enroot.distribution} stages images through "
-                     "imgpipe's importer, but enroot.pyxis_importer is false: give the nodes' "
-                     "Pyxis line importer= (node-config --accept importer) or use shared")
+                     f"imgpipe's importer on the nodes, but enroot.pyxis_importer {said}: give "
+                     "the nodes' Pyxis line importer= (node-config --accept importer) or use "
+                     "shared")
     data_dir = settings.registry.server.data_dir
     from_cwd = settings.source is None or settings.source.parent.resolve() != settings.root
     if not data_dir.is_absolute() and "registry.server.data_dir" not in settings.origins \

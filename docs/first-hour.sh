@@ -80,9 +80,17 @@ say "4. the first jobs (login node, as a user, in the checkout)"
 # Under DATA, which every node sees: sbatch --chdir must exist on the nodes too.
 recipes="$DATA/first-hour-recipes"
 as_user mkdir -p "$recipes"
-if [ "$RUNTIME" != pyxis ] || [ "$importer" = --no-pyxis-importer ]; then
-  # No importer to ask: the job is handed the squashfs file itself (recorded in
-  # the lock, so that the recipes pin it).
+if [ "$importer" = --no-pyxis-importer ]; then
+  # Pyxis without imgpipe's importer: the recipes pin the squashfs files that
+  # convert makes in the shared folder (and records in the lock).
+  for image in ${IMAGES:-bert}; do
+    flavor=$FLAVOR
+    if [ "$image" = nccl-tests ]; then flavor=ngc; fi
+    as_user "$IMGPIPE" convert -q "$image" --flavor "$flavor" >/dev/null
+  done
+fi
+if [ "$RUNTIME" != pyxis ]; then
+  # No Pyxis to ask: the job is handed the squashfs file itself.
   CONT=$(as_user "$IMGPIPE" convert -q bert --flavor "$FLAVOR"); export CONT
 fi
 as_user "$IMGPIPE" recipes render --profile site --nodes "$NODES" \

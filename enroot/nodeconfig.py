@@ -306,6 +306,11 @@ def render(settings: Settings, importer_path: str, pyxis_version: Version | None
     options, marked = _pyxis_options(settings, importer_path, pyxis_version, enroot_path,
                                      squashfuse, mounting, notes)
     line = pyxis_line(pyxis_so, options, marked, accept)
+    if settings.enroot.distribution != "shared" and pyxis_version is not None \
+            and pyxis_version >= IMPORTER_SINCE:
+        notes.append(f"enroot.distribution: {settings.enroot.distribution} needs importer= on "
+                     "every node's Pyxis line: stage_image and each node's take run the "
+                     "importer (--accept importer)")
     changes = [
         Change(SITE_CONFIG_FILE, "(the site config, from imgpipe site init)", True, True),
         Change(importer_path, f"-> {SYSTEM_VENV}/bin/imgpipe-pyxis-importer", True, True),

@@ -169,9 +169,9 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     "NCCL_DEBUG_SUBSYS": ("nccl.sub", "NCCL's log subsystems (INIT,NET)"),
     "IMGPIPE_IMPORTER": ("all (node-local caches)", "the importer stage_image runs on the "
                          "batch host and every node (enroot.importer_path)"),
-    "IMGPIPE_DISTRIBUTION": ("all (node-local caches)", "sbcast, or anything else for fetch: "
-                             "how stage_image gets the image onto the nodes; read only by "
-                             "scripts rendered for enroot.distribution fetch or sbcast"),
+    "IMGPIPE_DISTRIBUTION": ("all (node-local caches)", "sbcast or broadcast, anything else "
+                             "for fetch: how stage_image gets the image onto the nodes; read "
+                             "only by scripts rendered for a node-local enroot.distribution"),
     "IMGPIPE_SBCAST": ("all (node-local caches)", "the sbcast program (default: sbcast on "
                        "PATH); missing or failing: one line, and each other node fetches, "
                        "saying so"),

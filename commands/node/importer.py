@@ -246,19 +246,29 @@ def _platform_entry(scheme: str, address: str, repository: str, digest: str) -> 
 
 
 def is_foreign(uri: str) -> bool:
-    """Whether ``uri`` names an image of a registry other than imgpipe's."""
+    """Whether ``uri`` is for Enroot rather than imgpipe: another registry's image, an image
+    of a local engine (``dockerd://``, ``podman://``), or any image when the config cannot be
+    read (imgpipe cannot tell its own registry then: Pyxis's own way serves, said once)."""
     from imgpipe.registry.errors import ReferenceFormatError
     from imgpipe.registry.reference import Reference
 
+    if "://" in uri and not uri.startswith("docker://"):
+        return True
     quick = _quick()
     if quick is None:
         from pathlib import Path
 
         from imgpipe.base.config import Settings
         from imgpipe.base.configlayers import parse_settings
+        from imgpipe.base.errors import ImgpipeError
 
         path = config_file()
-        settings = parse_settings(Path(path)) if path else Settings()
+        try:
+            settings = parse_settings(Path(path)) if path else Settings()
+        except (ImgpipeError, OSError) as exc:
+            say(f"cannot use {path} ({exc}): {uri} imported by enroot, as Pyxis would "
+                "without imgpipe")
+            return True
         address = settings.registry.address
     else:
         address = str(quick["address"])

@@ -30,9 +30,12 @@ from imgpipe.base.errors import ConfigError
 from imgpipe.base.files import atomic_write
 from imgpipe.commands.site.nodebackup import Backup, walk_folder
 from imgpipe.enroot.nodeconfig import (
+    CLEANUP_PATH,
     IMPORTER_AFFECTS,
     IMPORTER_SINCE,
     PYXIS_SO_CANDIDATES,
+    SQUASHFUSE_IMPORTER_SINCE,
+    SQUASHFUSE_SINCE,
     SYSTEM_VENV,
     Version,
     detect_pyxis,
@@ -244,12 +247,10 @@ def _plugstack(plan: NodePlan, pyxis: tuple[str, Version] | None, plugstack: str
     lines = pyxis_lines(root, plugstack)
     if not lines:
         target = new_line_target(root, plugstack)
-        taken = {"importer": wanted, "container_scope": "container_scope=job",
-                 "squashfuse": "use_squashfuse=1"}
-        options = [option for name, option in taken.items() if name in plan.accept]
+        options, said = _new_line_options(plan, pyxis[1], wanted)
         line = pyxis_line(pyxis[0].removeprefix(str(root).rstrip("/")),
                           ["runtime_path=/run/pyxis", *options], [], frozenset())
-        return Finding(target, "missing", False, [f"+ {line}"],
+        return Finding(target, "missing", False, [f"+ {line}", *said],
                        "every srun on the node loads Pyxis"
                        + (f"; {IMPORTER_AFFECTS}" if wanted in options else ""),
                        "leave Pyxis off this node", "pyxis")
@@ -262,10 +263,38 @@ def _plugstack(plan: NodePlan, pyxis: tuple[str, Version] | None, plugstack: str
     if current is not None:
         return Finding(shown, "conflict", False, [f"  line {number}: the site's Pyxis already "
                                                   f"uses {current}: left as it is"])
+    mounted = "use_squashfuse=1" in options and pyxis[1] >= SQUASHFUSE_IMPORTER_SINCE
     return Finding(shown, "differs", False, [f"- {line}", f"+ {line.rstrip()} {wanted}"],
-                   IMPORTER_AFFECTS, "leave it out: the recipes then pin squashfs paths "
+                   IMPORTER_AFFECTS + ("; and since this line has use_squashfuse=1, Pyxis "
+                                       "then mounts what the importer returns read-only, "
+                                       "nvcr.io's images too, which it unpacked before"
+                                       if mounted else ""),
+                   "leave it out: the recipes then pin squashfs paths "
                    "(enroot.pyxis_importer: false; imgpipe convert on the login node), and "
                    "Pyxis imports as before", "importer")
+
+
+def _new_line_options(plan: NodePlan, version: Version, wanted: str
+                      ) -> tuple[list[str], list[str]]:
+    """The accepted options of a new Pyxis line that this node can take, and a line for each
+    accepted one it cannot: container_scope=job only where Pyxis's cleanup finds enroot,
+    use_squashfuse=1 only from Pyxis 0.22."""
+    options, said = [], []
+    if "importer" in plan.accept:
+        options.append(wanted)
+    if "container_scope" in plan.accept:
+        if any(_under(plan.root, f"{folder}/enroot").exists() for folder in CLEANUP_PATH):
+            options.append("container_scope=job")
+        else:
+            said.append("  container_scope=job left out: Pyxis's end-of-job cleanup runs enroot "
+                        f"from {':'.join(CLEANUP_PATH)} and would drain the node")
+    if "squashfuse" in plan.accept:
+        if version >= SQUASHFUSE_SINCE:
+            options.append("use_squashfuse=1")
+        else:
+            said.append(f"  use_squashfuse=1 left out: Pyxis {'.'.join(map(str, version))} has "
+                        "none (0.22+)")
+    return options, said
 
 
 def _enroot_conf(settings: Settings, root: Path) -> list[Finding]:
@@ -289,6 +318,14 @@ def apply_node(settings: Settings, plan: NodePlan = NodePlan()) -> list[str]:
     if site_config is None and SITE_CONFIG.is_file():
         site_config = SITE_CONFIG
     checked = check_node(settings, plan)
+    [link] = [f for f in checked.findings if f.file == importer_path()]
+    if link.verdict == "conflict" and "importer" in plan.accept:
+        why = link.diff[0].strip() if link.diff else "the importer link is not imgpipe's"
+        raise ConfigError(f"refused: Pyxis would run {importer_path()} for every "
+                          f"--container-image, and {why}",
+                          hint="install imgpipe where every user can run it (./setup.sh "
+                          "node-wheels; /opt/imgpipe) or name it with --venv DIR, then apply "
+                          "again")
     backup = Backup(root)
     done: list[str] = []
     for finding in checked.findings:
@@ -315,6 +352,7 @@ def apply_node(settings: Settings, plan: NodePlan = NodePlan()) -> list[str]:
                     + finding.diff[0][2:] + "\n")
             mode = target.stat().st_mode & 0o777 if target.is_file() else 0o644
             done.append(f"wrote {atomic_write(target, text.encode(), mode=mode)}")
+            done += [said.strip() for said in finding.diff[1:]]  # accepted, left out
         elif finding.accept == "importer":
             done += backup.keep(target)
             old, new = finding.diff[0][2:], finding.diff[1][2:]

@@ -11,6 +11,7 @@ write it), and gives up after the timeout with one line naming the holder.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import socket
@@ -36,11 +37,11 @@ def digest_lock(path: Path, digest: str, trust: CacheTrust, private: bool,
     except PermissionError as exc:
         raise not_shared(exc) from exc
     with os.fdopen(fd, "r+") as handle:
-        if not _try_lock(handle):
+        if not _try_lock(handle, path):
             holder = _holder(handle)
             if on_wait:
                 on_wait(f"waiting for {holder}, which is converting {digest[:19]}")
-            _wait_lock(handle, timeout_s, lambda: (
+            _wait_lock(handle, path, timeout_s, lambda: (
                 f"gave up after {timeout_s:.0f} s waiting for the lock of {digest[:19]} "
                 f"({path}), held by {_holder(handle)}"))
         handle.seek(0)
@@ -56,18 +57,26 @@ def digest_lock(path: Path, digest: str, trust: CacheTrust, private: bool,
             fcntl.lockf(handle, fcntl.LOCK_UN)
 
 
-def _try_lock(handle: IO[str]) -> bool:
+def _try_lock(handle: IO[str], path: Path) -> bool:
+    """Taken (True) or held by another process (False); a file system that gives no locks at
+    all is said at once, not waited on for lock_timeout_s."""
     try:
         fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        return False
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise ConvertError(f"the file system of {path} gives no file locks "
+                           f"({os.strerror(exc.errno or 0)})",
+                           hint="Lustre: mount it with -o flock on every node (localflock is "
+                           "node-local only); NFS: lockd must run") from exc
     return True
 
 
-def _wait_lock(handle: IO[str], timeout_s: float, gave_up: Callable[[], str]) -> None:
+def _wait_lock(handle: IO[str], path: Path, timeout_s: float,
+               gave_up: Callable[[], str]) -> None:
     deadline = time.monotonic() + timeout_s
     pause = 0.05
-    while not _try_lock(handle):
+    while not _try_lock(handle, path):
         if time.monotonic() >= deadline:
             raise ConvertError(gave_up(), hint="if that process is gone or hung, end it (or "
                                "raise enroot.lock_timeout_s for very large images)")

@@ -124,3 +124,27 @@ def test_doctor_names_what_was_planted_in_the_cache(tmp_path: Path) -> None:
     assert f"{planted}: a shared name written by uid {ATTACKER}, a job user" in found.detail
     assert f"{cache.blobs / ('b' * 64)}: not a regular file" in found.detail
     assert "node-config --make-cache" in (found.fix or "")
+
+
+def test_a_file_system_without_locks_is_said_at_once(tmp_path: Path, monkeypatch) -> None:
+    """A Lustre client mounted without -o flock answers lockf with ENOSYS: before, that read
+    as "held by another process" and every first conversion waited an hour, then failed."""
+    import errno
+    import fcntl
+
+    import pytest
+
+    from imgpipe.enroot.cache.storage import Storage
+    from imgpipe.enroot.errors import ConvertError
+
+    storage = Storage(tmp_path / "squashfs")
+    storage.prepare()
+
+    def no_locks(*_: object) -> None:
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "lockf", no_locks)
+    with pytest.raises(ConvertError, match="gives no file locks") as caught:
+        with storage.lock("sha256:" + "ab" * 32):
+            pass
+    assert "-o flock" in str(caught.value.hint)

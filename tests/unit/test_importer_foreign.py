@@ -21,9 +21,15 @@ printf hsqs > "$3"
 """
 
 
-def _importer(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def _importer(tmp_path: Path, *args: str, config_text: str | None = None
+              ) -> subprocess.CompletedProcess[str]:
     config = tmp_path / "imgpipe.yaml"
-    config.write_text("registry: {host: head, port: 5000}\n")
+    if config_text is None:
+        config.write_text("registry: {host: head, port: 5000}\n")
+    elif config.exists():
+        config.unlink()
+    if config_text:
+        config.write_text(config_text)
     (tmp_path / "bin").mkdir(exist_ok=True)
     enroot = tmp_path / "bin" / "enroot"
     if not enroot.exists():
@@ -76,3 +82,18 @@ def test_only_imgpipes_registry_is_imgpipes() -> None:
 
     assert Reference.parse("docker://ubuntu", default_registry=DOCKER_HUB).registry == \
         DOCKER_HUB
+
+
+def test_local_engines_and_a_config_that_cannot_be_read_go_to_enroot(tmp_path: Path) -> None:
+    """Before, dockerd:// and podman:// went down imgpipe's own path and failed, and a missing
+    or broken /etc/imgpipe/imgpipe.yaml failed every user's nvcr.io jobs on the node."""
+    done = _importer(tmp_path, "get", "dockerd://ubuntu:22.04")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "rec").read_text().splitlines()[0].endswith(" dockerd://ubuntu:22.04")
+    for text in ("", "registry: [not, a, mapping\n"):
+        done = _importer(tmp_path, "get", "docker://nvcr.io#nvidia/pytorch:25.01-py3",
+                         config_text=text)
+        assert done.returncode == 0, done.stderr
+        [line] = done.stderr.strip().splitlines()
+        assert line.startswith("imgpipe: cannot use ") and "imported by enroot" in line
+        assert Path(done.stdout.strip()).read_bytes() == b"hsqs"

@@ -169,3 +169,37 @@ def test_check_names_a_missing_registry_ca(cli, tmp_path: Path) -> None:
                          str(config))
     assert code == 0, err
     assert f"registry.ca_file names {ca}, which this node lacks" in out
+
+
+def test_apply_refuses_importer_when_no_job_user_could_run_it(cli, tmp_path: Path) -> None:
+    """Before, --accept importer rewrote the site's Pyxis line while the link stayed out (its
+    target closed to users): every --container-image job on the node would have failed."""
+    root = tmp_path / "node"
+    _node(root)
+    (root / "opt/imgpipe").chmod(0o700)
+    before = sums(root)
+    code, _, err = cli("node-config", "--apply", "--accept", "importer", "--root", str(root))
+    assert code == 2 and "refused: Pyxis would run" in err and "is closed to other users" in err
+    assert sums(root) == before
+
+
+def test_a_new_pyxis_line_takes_only_the_options_this_node_can_run(cli, tmp_path: Path
+                                                                   ) -> None:
+    """container_scope=job drains the node when Pyxis's cleanup finds no enroot on its PATH;
+    use_squashfuse=1 is unknown to Pyxis before 0.22.  Accepted, each is still left out
+    where it cannot work, in a line."""
+    root = tmp_path / "node"
+    _node(root)
+    (root / "etc/slurm/plugstack.conf.d/pyxis.conf").unlink()
+    code, out, err = cli("node-config", "--apply", "--root", str(root), "--accept", "pyxis",
+                         "--accept", "container_scope", "--accept", "squashfuse")
+    assert code == 0, err
+    line = (root / "etc/slurm/plugstack.conf.d/pyxis.conf").read_text().splitlines()[-1]
+    assert "container_scope" not in line and "use_squashfuse=1" in line
+    assert "container_scope=job left out" in out
+    (root / "etc/slurm/plugstack.conf.d/pyxis.conf").unlink()
+    (root / "usr/bin").mkdir(parents=True, exist_ok=True)
+    (root / "usr/bin/enroot").write_text("#!/bin/sh\n")
+    code, out, err = cli("node-config", "--apply", "--root", str(root), "--accept", "pyxis",
+                         "--accept", "container_scope")
+    assert "container_scope=job" in (root / "etc/slurm/plugstack.conf.d/pyxis.conf").read_text()
