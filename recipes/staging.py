@@ -59,11 +59,12 @@ stage_image() {
             "sbcast" >&2
         # Open MPI's pipeline broadcast (algorithm 3): each node forwards a segment while it
         # receives the next (its default for 32-1,023 ranks is an unsegmented tree); waiting
-        # ranks yield their core instead of spinning on it
+        # ranks yield their core instead of spinning on it; no memory patcher (with it, 2
+        # of 6 sandbox runs lost a task to SIGSEGV; it serves RDMA registration caches)
         elif got=$(OMPI_MCA_coll_tuned_use_dynamic_rules=1 \
             OMPI_MCA_coll_tuned_bcast_algorithm="${IMGPIPE_BCAST_ALGORITHM:-3}" \
-            OMPI_MCA_coll_tuned_bcast_algorithm_segmentsize="${IMGPIPE_BCAST_SEGMENT:-1048576}" \
-            OMPI_MCA_mpi_yield_when_idle=1 \
+            OMPI_MCA_coll_tuned_bcast_algorithm_segmentsize="${IMGPIPE_BCAST_SEGMENT:-4194304}" \
+            OMPI_MCA_mpi_yield_when_idle=1 OMPI_MCA_memory='^patcher' \
             srun -N"$nodes" -n"$nodes" --ntasks-per-node=1 --mpi=pmix --kill-on-bad-exit=1 \
             "$IMGPIPE_IMPORTER" broadcast "$uri" | sort -u); then
           mode=broadcast

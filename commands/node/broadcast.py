@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import socket
 import struct
@@ -47,12 +48,14 @@ from imgpipe.enroot.published.relay import (
     Receiver,
     RelayError,
 )
+from imgpipe.registry.ranges import Checked
 
 DEBIAN_MPI4PY = Path("/usr/lib/python3/dist-packages/mpi4py")
 MPI_HINT = ("apt-get install openmpi-bin python3-mpi4py (and libpmix-dev, which Slurm's "
             "pmix plugin loads), or set enroot.distribution: sbcast")
 TRAILER = struct.Struct("<qqq")  # each unit ends with: its offset (-1: stop), length, size
 _MESSAGE = UNIT + TRAILER.size
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 _NAME = 64  # bytes per node in the final gather: "1" (took it) or "0", then its name
 
 
@@ -87,8 +90,8 @@ def broadcast(uri: str) -> Path:
     ref = pinned_reference(uri, settings)
     manifest = ref.digest or ""
     found = fast_get(uri)
-    # The step's first task runs on the batch host and sends (MPI's rank 0 under srun): its
-    # fetch starts before MPI does, while the other nodes' tasks are still starting.
+    # The step's first task runs on the batch host and sends (MPI's rank 0 under srun):
+    # its fetch starts at once, while the other nodes' tasks still start.
     fetch = _Fetch(uri, found) if os.environ.get("SLURM_PROCID") == "0" else None
     mpi = load_mpi()
     world = mpi.COMM_WORLD
@@ -97,8 +100,10 @@ def broadcast(uri: str) -> Path:
     root = world.Get_rank() == 0
     if root and fetch is None:
         fetch = _Fetch(uri, found)
-    elif not root and fetch is not None:  # not the sender after all: this node has fetched
-        found = fetch.result()
+    if fetch is not None:
+        fetch.follow()
+        if not root:  # not the sender after all: this node has fetched
+            found, fetch = fetch.result(), None
     with contextlib.ExitStack() as held:
         cache = storage(settings)
         # a login registry's image is private; a receiver cannot ask the registry, so where
@@ -155,35 +160,82 @@ def _bcast_header(mpi: Any, team: Any, header: Header | None) -> bytes:
 
 
 class _Fetch:
-    """The batch host's fetch on a thread of its own (nothing when it holds the entry),
-    telling ``prefix`` what it has checked."""
+    """The batch host's fetch (nothing when it holds the entry), in a process of its own
+    forked before MPI starts: Open MPI's start beside a thread already running (the fetch's)
+    crashed the task (SIGSEGV) in the sandbox, and forked first the fetch runs while the
+    other nodes' tasks still start.  It tells ``prefix`` what it has checked through a
+    pipe, a JSON line per chunk, and its entry last."""
 
     def __init__(self, uri: str, found: Path | None) -> None:
         self.prefix = Prefix()
-        self.failure: list[ImgpipeError | OSError] = []
+        self.failed = False
         self.started = time.monotonic()
+        self._pid, self._pipe = 0, -1
         if found is not None:
             self.prefix.finish(found)
             return
-
-        def fetch() -> None:
-            entry = None
+        read, write = os.pipe()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the child fetches and never returns into the caller
+            code = 1
             try:
-                entry = get(uri, verified=self.prefix)
-            except (ImgpipeError, OSError) as exc:  # said once the others are told
-                self.failure.append(exc)
+                os.close(read)
+                code = _fetch_and_tell(uri, write)
             finally:
-                self.prefix.finish(entry)
+                os._exit(code)
+        os.close(write)
+        self._pid, self._pipe = pid, read
 
-        self._thread = threading.Thread(target=fetch, name="broadcast-fetch", daemon=True)
-        self._thread.start()
+    def follow(self) -> None:
+        """Hear the fetch (a thread: start it once MPI has started)."""
+        if self._pipe >= 0:
+            threading.Thread(target=self._hear, name="broadcast-fetch", daemon=True).start()
+
+    def _hear(self) -> None:
+        entry, digests = None, ()
+        with os.fdopen(self._pipe, "rb") as words:
+            for line in words:
+                word = json.loads(line)
+                if "entry" in word:
+                    entry = Path(word["entry"])
+                    continue
+                digests = tuple(word.get("digests", digests))
+                self.prefix(Checked(word["blob"], Path(word["partial"]), word["size"],
+                                    word["chunk_size"], digests, word["upto"]))
+        _, status = os.waitpid(self._pid, 0)
+        self.failed = status != 0 or entry is None
+        self.prefix.finish(None if self.failed else entry)
 
     def result(self) -> Path:
-        """The entry, once the fetch is over; its error else."""
+        """The entry, once the fetch is over; ImgpipeError else (the fetch said why)."""
         entry = self.prefix.ended()
-        if self.failure or entry is None:
-            raise _failed(self.failure, "the batch host's fetch failed")
+        if self.failed or entry is None:
+            raise ImgpipeError("the batch host's fetch failed (said above)")
         return entry
+
+
+def _fetch_and_tell(uri: str, fd: int) -> int:
+    """The fetch's process: ``get`` with each checked chunk told on ``fd``; its exit code."""
+    with os.fdopen(fd, "wb", buffering=0) as out:
+        told = False
+
+        def tell(checked: Checked) -> None:
+            nonlocal told
+            word: dict[str, object] = {
+                "blob": checked.blob, "partial": str(checked.partial), "size": checked.size,
+                "chunk_size": checked.chunk_size, "upto": checked.upto}
+            if not told:  # the chunk list once (up to 4,096 digests)
+                word["digests"], told = list(checked.digests), True
+            out.write(json.dumps(word).encode() + b"\n")
+
+        try:
+            entry = get(uri, verified=tell)
+        except (ImgpipeError, OSError) as exc:
+            print(f"imgpipe: error: {exc}", file=sys.stderr, flush=True)
+            return 1
+        out.write(json.dumps({"entry": str(entry)}).encode() + b"\n")
+    return 0
 
 
 def _send(mpi: Any, team: Any, fetch: _Fetch, pins: frozenset[str], here: str) -> Path:
@@ -197,9 +249,21 @@ def _send(mpi: Any, team: Any, fetch: _Fetch, pins: frozenset[str], here: str) -
     elif source is not None and pins:
         blob = next((pin for pin in sorted(pins) if pin[7:] in source.name), min(pins))
         header = Header(blob, source.stat().st_size)
-    _bcast_header(mpi, team, header if source is not None else None)
-    sent = header is not None and source is not None and _send_units(
-        mpi, team, header, source, prefix, checked is not None)
+    fd, following = None, checked is not None
+    if source is not None:
+        try:
+            fd = os.open(source, _READ)
+        except FileNotFoundError:  # the fetch ended before it was looked at: its entry
+            entry = prefix.ended() if checked is not None else None
+            if entry is not None and checked is not None and checked.blob[7:] in entry.name:
+                fd, following = os.open(entry, _READ), False
+    _bcast_header(mpi, team, header if fd is not None else None)
+    try:
+        sent = header is not None and fd is not None and _send_units(
+            mpi, team, header, fd, prefix, following)
+    finally:
+        if fd is not None:
+            os.close(fd)
     names = bytearray(_NAME * team.Get_size())
     team.Gather([bytearray(_NAME), mpi.BYTE], [names, mpi.BYTE], root=0)
     nodes = [names[i:i + _NAME].rstrip(b"\0").decode(errors="replace")
@@ -214,26 +278,23 @@ def _send(mpi: Any, team: Any, fetch: _Fetch, pins: frozenset[str], here: str) -
     return fetch.result()
 
 
-def _send_units(mpi: Any, team: Any, header: Header, source: Path, prefix: Prefix,
+def _send_units(mpi: Any, team: Any, header: Header, fd: int, prefix: Prefix,
                 following: bool) -> bool:
-    """Send every unit of ``source`` (``following``: as the fetch checks it); False when
-    the fetch stopped first (the receivers were told)."""
-    fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    """Send every unit of the file ``fd`` reads (``following``: as the fetch checks it);
+    False when the fetch stopped first (the receivers were told)."""
     buffer = bytearray(_MESSAGE)
-    try:
-        for index in range(header.units()):
-            offset, length = index * UNIT, header.unit_length(index)
-            ready = not following or prefix.wait(header.blob, offset + length) \
-                or _same_file(fd, prefix.entry, header.size)
-            if ready and os.preadv(fd, [memoryview(buffer)[:length]], offset) == length:
-                TRAILER.pack_into(buffer, UNIT, offset, length, header.size)
-            else:
-                TRAILER.pack_into(buffer, UNIT, -1, 0, header.size)
-            team.Bcast([buffer, mpi.BYTE], root=0)
-            if not ready:
-                return False
-    finally:
-        os.close(fd)
+    for index in range(header.units()):
+        offset, length = index * UNIT, header.unit_length(index)
+        ready = not following or prefix.wait(header.blob, offset + length) \
+            or _same_file(fd, prefix.entry, header.size)
+        if ready and os.preadv(fd, [memoryview(buffer)[:length]], offset) == length:
+            TRAILER.pack_into(buffer, UNIT, offset, length, header.size)
+        else:
+            ready = False
+            TRAILER.pack_into(buffer, UNIT, -1, 0, header.size)
+        team.Bcast([buffer, mpi.BYTE], root=0)
+        if not ready:
+            return False
     return True
 
 
@@ -290,7 +351,3 @@ def _receive(mpi: Any, team: Any, cache: Storage, repository: str, pins: frozens
     return copy
 
 
-def _failed(failure: list[ImgpipeError | OSError], why: str) -> ImgpipeError:
-    if failure and isinstance(failure[0], ImgpipeError):
-        return failure[0]
-    return ImgpipeError(why + (f" ({failure[0]})" if failure else ""))

@@ -29,6 +29,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from imgpipe.base.directio import DirectWriter
 from imgpipe.base.errors import ImgpipeError
 from imgpipe.enroot.published.artifact import publish_partial
 from imgpipe.registry.chunkrecord import sidecar_path
@@ -150,6 +151,9 @@ class Receiver:
         self._fd, _ = open_partial(partial)
         os.ftruncate(self._fd, 0)  # this user's own earlier partial: written anew
         sidecar_path(partial).unlink(missing_ok=True)
+        # around the page cache where the file system allows: N nodes' copies through one
+        # machine's writeback (the sandbox) or one node's disk stay at the disk's speed
+        self._writer = DirectWriter(partial, 0)
         self._whole = hashlib.sha256()
         self.queued = 0  # bytes handed over (``put``)
         self.written = 0  # bytes written and hashed
@@ -177,9 +181,7 @@ class Receiver:
             try:
                 if not self.failed:
                     view = memoryview(buffer)[:length]
-                    done = 0
-                    while done < length:
-                        done += os.pwrite(self._fd, view[done:], self.written + done)
+                    self._writer.write(view)
                     self._whole.update(view)  # releases the GIL: the next unit arrives meanwhile
                     self.written += length
             except OSError as exc:
@@ -196,6 +198,13 @@ class Receiver:
         keeps the chunks that match the sender's list, for this node's own fetch)."""
         self._stop()
         try:
+            if self.failed:
+                self._writer.abandon()
+            else:
+                try:
+                    self._writer.close()  # the tail, then fsync; it lets go either way
+                except OSError as exc:
+                    self.failed = f"writing the copy failed ({exc.strerror})"
             if self.failed:
                 return self._keep_good_chunks(self.failed)
             if self.written != self.header.size:
@@ -219,6 +228,7 @@ class Receiver:
         """Stop receiving (the sender gave up, or the transport failed): why, with the
         chunks kept."""
         self._stop()
+        self._writer.abandon()
         try:
             return self._keep_good_chunks(why)
         finally:

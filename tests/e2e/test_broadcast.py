@@ -262,7 +262,7 @@ def test_another_users_bytes_in_the_batch_hosts_place_are_refused(
         "    b._bcast_header(mpi, team, header)\n"
         "    prefix = Prefix()\n"
         "    prefix.finish(source)\n"
-        "    b._send_units(mpi, team, header, source, prefix, False)\n"
+        "    b._send_units(mpi, team, header, os.open(source, os.O_RDONLY), prefix, False)\n"
         "    names = bytearray(b._NAME * team.Get_size())\n"
         "    team.Gather([bytearray(b._NAME), mpi.BYTE], [names, mpi.BYTE], root=0)\n"
         "    return fetch.result()\n"
