@@ -13,7 +13,7 @@ REGISTRY_CA=${REGISTRY_CA-/etc/pki/site-ca.crt}
 # every node); the partition jobs run in; the folder for data, checkpoints and
 # results
 SQUASHFS=${SQUASHFS-/lustre/imgpipe/squashfs}
-DISTRIBUTION=${DISTRIBUTION-shared}
+DISTRIBUTION=${DISTRIBUTION-shared}  # sbcast and fetch need ACCEPT=importer
 PARTITION=${PARTITION-gpu}
 DATA=${DATA-/lustre/bert}
 # The shipped profile nearest your nodes, and how yours differ (empty: as
@@ -54,11 +54,15 @@ for line in $ACCEPT; do
   accept+=(--accept "$line")
   if [ "$line" = importer ]; then importer=--pyxis-importer; fi
 done
+# A site config edited since it was written is kept (site init says so in a line).
 # shellcheck disable=SC2086 # NODE_SHAPE is flags
-"$IMGPIPE" site init --registry "$REGISTRY" "${tls[@]}" \
+if ! "$IMGPIPE" site init --registry "$REGISTRY" "${tls[@]}" \
     --squashfs-dir "$SQUASHFS" --distribution "$DISTRIBUTION" "$importer" \
     --partition "$PARTITION" --data-root "$DATA" \
-    --flavor "$FLAVOR" --from "$PROFILE_FROM" $NODE_SHAPE
+    --flavor "$FLAVOR" --from "$PROFILE_FROM" $NODE_SHAPE; then
+  [ -f /etc/imgpipe/imgpipe.yaml ] || exit 1
+  echo "site init: keeping /etc/imgpipe/imgpipe.yaml as it is"
+fi
 "$IMGPIPE" config show --origin
 "$IMGPIPE" doctor || echo "doctor: the lines above say what this host lacks"
 
@@ -69,6 +73,8 @@ if [ -n "$IMAGES" ]; then
   "$IMGPIPE" build $IMAGES --flavor "$FLAVOR" && "$IMGPIPE" push --squashfs
 fi
 
+# Step 3 acts on the host it runs on (NODE_ROOT: a node image instead): run it on
+# each compute node (pdsh, clush, the node image), never on the login node.
 say "3. imgpipe on each compute node (as root; NODE_ROOT for a node image)"
 "$IMGPIPE" node-config --check --root "$NODE_ROOT"
 "$IMGPIPE" node-config --apply --root "$NODE_ROOT" "${accept[@]}"

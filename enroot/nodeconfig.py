@@ -29,7 +29,8 @@ from imgpipe.base.process import run
 
 PYXIS_SO_CANDIDATES = ("/usr/local/lib/slurm/spank_pyxis.so", "/usr/lib/slurm/spank_pyxis.so",
                        "/usr/lib64/slurm/spank_pyxis.so",
-                       "/usr/lib/x86_64-linux-gnu/slurm-wlm/spank_pyxis.so")
+                       "/usr/lib/x86_64-linux-gnu/slurm-wlm/spank_pyxis.so",
+                       "/usr/lib/aarch64-linux-gnu/slurm-wlm/spank_pyxis.so")
 PYXIS_VERSION_MARK = re.compile(rb"pyxis: version v(\d+)\.(\d+)(?:\.(\d+))?")
 CLEANUP_PATH = ("/usr/local/bin", "/usr/bin", "/bin")  # Pyxis's PATH for `enroot list`
 IMPORTER_SINCE = (0, 21)
@@ -278,13 +279,13 @@ def cache_lines(squashfs: Path, distribution: str) -> list[str]:
 def install_lines(squashfs: Path, distribution: str = "shared") -> list[str]:
     """Getting imgpipe onto a node: a wheel built from the checkout, never a package index."""
     return [
-        "# Once, on the build host, in imgpipe's checkout: the wheel and what it needs.",
-        "python3 -m pip wheel --no-deps -w dist . && python3 -m pip download -d dist/deps \\",
-        "    dist/imgpipe-*.whl",
+        "# Once, on the build host, in imgpipe's checkout (no root): imgpipe's wheel and every",
+        "# wheel it needs, for x86 nodes (dist/nodes/x86_64) and Grace nodes (dist/nodes/aarch64).",
+        "./setup.sh node-wheels",
         "# On every compute node (a venv of the system Python: Pyxis runs the importer as the",
         "# job's user, and a venv under root's home is not executable by others):",
         f"python3 -m venv {SYSTEM_VENV} && {SYSTEM_VENV}/bin/pip install --no-index \\",
-        "    --find-links dist/deps dist/imgpipe-*.whl",
+        "    --find-links dist/nodes/$(uname -m) imgpipe",
         f"{SYSTEM_VENV}/bin/imgpipe node-config --check    # what this node has and lacks",
         f"{SYSTEM_VENV}/bin/imgpipe node-config --apply    # imgpipe's own files only",
         *cache_lines(squashfs, distribution),

@@ -104,8 +104,10 @@ def pyxis_lines(root: Path, plugstack: str) -> list[tuple[Path, int, str]]:
         seen.add(path)
         for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
             words = line.split("#", 1)[0].split()
-            if len(words) >= 2 and words[0] == "include":
-                pending += sorted(Path(p) for p in glob.glob(str(_under(root, words[1]))))
+            if len(words) >= 2 and words[0] == "include":  # relative: to the file's folder
+                pattern = (_under(root, words[1]) if words[1].startswith("/")
+                           else path.parent / words[1])
+                pending += sorted(Path(p) for p in glob.glob(str(pattern)))
             elif len(words) >= 2 and words[0] in ("required", "optional") \
                     and os.path.basename(words[1]) == "spank_pyxis.so":
                 found.append((path, number, line))
@@ -124,7 +126,8 @@ def new_line_target(root: Path, plugstack: str) -> str:
         if len(words) >= 2 and words[0] == "include":
             folder, pattern = os.path.split(words[1])
             if not glob.has_magic(folder) and fnmatch.fnmatch("pyxis.conf", pattern):
-                return os.path.join(folder, "pyxis.conf")
+                # Slurm reads a relative include from the including file's folder
+                return os.path.join(os.path.dirname(plugstack), folder, "pyxis.conf")
     return plugstack
 
 
@@ -145,7 +148,9 @@ def check_node(settings: Settings, plan: NodePlan = NodePlan()) -> NodeCheck:
     if site_config is None and SITE_CONFIG.is_file():
         site_config = SITE_CONFIG
     plugstack = (plan.plugstack, "--plugstack") if plan.plugstack else find_plugstack(root)
-    pyxis = detect_pyxis(tuple(str(_under(root, c)) for c in PYXIS_SO_CANDIDATES))
+    named = [line.split("#", 1)[0].split()[1] for _, _, line in pyxis_lines(root, plugstack[0])]
+    where = [*dict.fromkeys([*(n for n in named if n.startswith("/")), *PYXIS_SO_CANDIDATES])]
+    pyxis = detect_pyxis(tuple(str(_under(root, c)) for c in where))
     findings = [_site_config(root, site_config), *_ca_file(settings, root),
                 _importer_link(plan), _plugstack(plan, pyxis, plugstack[0])]
     findings += _enroot_conf(settings, root)
@@ -264,7 +269,9 @@ def _plugstack(plan: NodePlan, pyxis: tuple[str, Version] | None, plugstack: str
         return Finding(shown, "conflict", False, [f"  line {number}: the site's Pyxis already "
                                                   f"uses {current}: left as it is"])
     mounted = "use_squashfuse=1" in options and pyxis[1] >= SQUASHFUSE_IMPORTER_SINCE
-    return Finding(shown, "differs", False, [f"- {line}", f"+ {line.rstrip()} {wanted}"],
+    code, hash_mark, comment = line.partition("#")  # Slurm drops what follows a '#'
+    changed = f"{code.rstrip()} {wanted}" + (f" {hash_mark}{comment}" if hash_mark else "")
+    return Finding(shown, "differs", False, [f"- {line}", f"+ {changed}"],
                    IMPORTER_AFFECTS + ("; and since this line has use_squashfuse=1, Pyxis "
                                        "then mounts what the importer returns read-only, "
                                        "nvcr.io's images too, which it unpacked before"
@@ -318,6 +325,13 @@ def apply_node(settings: Settings, plan: NodePlan = NodePlan()) -> list[str]:
     if site_config is None and SITE_CONFIG.is_file():
         site_config = SITE_CONFIG
     checked = check_node(settings, plan)
+    if "pyxis" in plan.accept and checked.plugstack[1].startswith("Slurm's default") and any(
+            f.accept == "pyxis" and f.verdict == "missing" for f in checked.findings):
+        raise ConfigError("refused: no slurm.conf on this node says which plugstack slurmd "
+                          "reads (configless Slurm fetches it from slurmctld), and a line "
+                          "written where slurmd does not read it does nothing",
+                          hint="--plugstack FILE names the file; with configless Slurm add the "
+                          "line --check shows to the controller's plugstack.conf")
     [link] = [f for f in checked.findings if f.file == importer_path()]
     if link.verdict == "conflict" and "importer" in plan.accept:
         why = link.diff[0].strip() if link.diff else "the importer link is not imgpipe's"

@@ -15,6 +15,7 @@ PYXIS = "required /usr/local/lib/slurm/spank_pyxis.so runtime_path=/run/pyxis co
 
 def _node(root: Path) -> dict[str, str]:
     files = {
+        "etc/slurm/slurm.conf": "ClusterName=site\n",
         "etc/slurm/plugstack.conf": "include /etc/slurm/plugstack.conf.d/*\n",
         "etc/slurm/plugstack.conf.d/pyxis.conf": PYXIS + "\n",
         "etc/enroot/enroot.conf": "ENROOT_RUNTIME_PATH /run/enroot/user-$(id -u)\n",
@@ -203,3 +204,34 @@ def test_a_new_pyxis_line_takes_only_the_options_this_node_can_run(cli, tmp_path
     code, out, err = cli("node-config", "--apply", "--root", str(root), "--accept", "pyxis",
                          "--accept", "container_scope")
     assert "container_scope=job" in (root / "etc/slurm/plugstack.conf.d/pyxis.conf").read_text()
+
+
+def test_configless_slurm_gets_no_line_slurmd_would_not_read(cli, tmp_path: Path) -> None:
+    root = tmp_path / "node"
+    _node(root)
+    (root / "etc/slurm/slurm.conf").unlink()  # configless: slurmd fetches it from slurmctld
+    (root / "etc/slurm/plugstack.conf.d/pyxis.conf").unlink()
+    before = sums(root)
+    code, _, err = cli("node-config", "--apply", "--root", str(root), "--accept", "pyxis")
+    assert code == 2 and "configless Slurm" in err and "--plugstack FILE" in err
+    assert sums(root) == before
+
+
+def test_a_relative_include_a_trailing_comment_and_the_plugin_path_of_the_line(
+        cli, tmp_path: Path) -> None:
+    """Slurm reads a relative include from the including file's folder and drops what follows
+    '#' on a line; Pyxis may live where the site's own line says, not where Debian puts it.
+    Before, such a node "loaded no Pyxis", and importer= went after the comment, unread."""
+    root = tmp_path / "node"
+    line = "required /opt/slurm/lib/spank_pyxis.so runtime_path=/run/pyxis  # ours"
+    node_image(root, {"etc/slurm/slurm.conf": "ClusterName=site\n",
+                      "etc/slurm/plugstack.conf": "include plugstack.conf.d/*.conf\n",
+                      "etc/slurm/plugstack.conf.d/pyxis.conf": line + "\n"},
+               "opt/slurm/lib/spank_pyxis.so")
+    code, out, err = cli("node-config", "--apply", "--root", str(root), "--accept", "importer")
+    assert code == 0, err
+    written = (root / "etc/slurm/plugstack.conf.d/pyxis.conf").read_text().splitlines()[-1]
+    assert written == ("required /opt/slurm/lib/spank_pyxis.so runtime_path=/run/pyxis "
+                       "importer=/usr/local/bin/imgpipe-pyxis-importer # ours")
+    code, out, _ = cli("node-config", "--check", "--root", str(root))
+    assert "/etc/slurm/plugstack.conf.d/pyxis.conf (the site's): ok" in out

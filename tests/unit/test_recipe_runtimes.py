@@ -297,7 +297,8 @@ def test_node_config_follows_the_pyxis_version(tmp_path: Path) -> None:
     assert "#ENROOT_ALLOW_HTTP yes" in new.enroot_conf and "nvcr.io too" in new.enroot_conf
     assert "ENROOT_CONFIG_PATH" not in new.enroot_conf + new.install
     assert "python3 -m venv /opt/imgpipe" in new.install
-    assert "pip install imgpipe" not in new.install and "dist/imgpipe-*.whl" in new.install
+    assert "./setup.sh node-wheels" in new.install  # both architectures, as the guide says
+    assert "--find-links dist/nodes/$(uname -m) imgpipe" in new.install
     assert "imgpipe node-config --make-cache " in new.install
 
 
