@@ -8,6 +8,9 @@ started cold (every node's cache emptied, the blob cache emptied):
 
   fetch         enroot.distribution: fetch: every node's importer fetches for itself
   sbcast        the batch host fetches once, Slurm's sbcast copies it, every node checks it
+  broadcast     one srun --mpi=pmix step: the batch host's ranged fetch streamed to every
+                node as it checks each chunk (Open MPI's pipeline broadcast), every node
+                writing and hashing as it receives
   tier          every node fetches through the blob cache (nginx) on a rack host of its own
   sbcast+tier   the batch host fetches through the blob cache, then sbcast
 
@@ -23,10 +26,13 @@ build/squashfs, from ``./setup.sh demo`` or ``imgpipe convert bert``) and a gene
 as squashfs artifacts beside a small image, pinned by digest.  The generated one runs at 8
 nodes only, fetch and sbcast, on disk-backed node folders (it does not fit in memory 8 times).
 
-Needs root (network namespaces), slurm-wlm, munge, charliecloud, squashfs-tools, nginx-light.
+Needs root (network namespaces), slurm-wlm, munge, charliecloud, squashfs-tools, nginx-light,
+and for broadcast openmpi-bin, python3-mpi4py, libpmix-dev.
 Writes fanout.json and fanout.png under --out.
 
     .venv/bin/python bench/bench_fanout.py --nodes 8,16,32 [--generated 6G] [--out bench/results]
+    .venv/bin/python bench/bench_fanout.py --nodes 8,16,32 --modes fetch,sbcast,broadcast \
+        --generated 0 --no-variants
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ from imgpipe.registry.client import RegistryClient  # noqa: E402
 from tests import services  # noqa: E402
 from tests.published_image import sha256_file  # noqa: E402
 
-MODES = ("fetch", "sbcast", "tier", "sbcast+tier")
+MODES = ("fetch", "sbcast", "broadcast", "tier", "sbcast+tier")
 NODE_CACHE = "/var/tmp/imgpipe-bench"
 TIER_PORT = 5080
 
@@ -112,7 +118,8 @@ VARIANTS = ("sbcast-64M", "sbcast-fanout2", "sbcast-fanout4")
 
 
 def job_script(folder: Path, importer: str, mode: str, uri: str) -> Path:
-    distribution = "fetch" if mode in ("fetch", "tier") else "sbcast"
+    distribution = ("fetch" if mode in ("fetch", "tier") else
+                    "broadcast" if mode == "broadcast" else "sbcast")
     block = "64M" if mode == "sbcast-64M" else "8M"
     fanout = int(mode.rsplit("fanout", 1)[1]) if "fanout" in mode else 8
     text = "\n".join([
@@ -121,6 +128,7 @@ def job_script(folder: Path, importer: str, mode: str, uri: str) -> Path:
         'echo "start $(date +%s.%N)"',
         prelude("charliecloud"), stage_function("charliecloud", distribution, importer,
                                                 fanout, block),
+        'echo "staged $(date +%s.%N)"',
         'srun --ntasks-per-node=1 /bin/sh -c \'echo "first $(hostname) $(date +%s.%N)"\'', ""])
     path = folder / f"job-{mode}.sh"
     path.write_text(text)
@@ -214,12 +222,21 @@ def run_job(cluster: Sandbox, folder: Path, script: Path, nodes: int, config: Pa
     log = cluster.registry_log.read_bytes()[since:].decode(errors="replace")
     served = sum(int(n) for n in re.findall(
         r'"GET /v2/[^ ]+/blobs/sha256:[0-9a-f]{64} HTTP/[0-9.]+" 20[06] ([0-9]+)', log))
-    fetched_here = len(re.findall(r"fetching it from the registry|distribution: fetch", text))
+    fetched_here = len(re.findall(r"fetching it from the registry|distribution: fetch|"
+                                  r"refused the broadcast copy", text))
     row = {"seconds": round(max(firsts) - start, 2), "registry_bytes": served,
            "copies_served": round(served / image["bytes"], 2), "node_fetches": fetched_here,
            "checks_s": [float(x) for x in re.findall(r"checked in ([0-9.]+) s", text)]}
     marks = {m[0]: float(m[1]) for m in re.findall(r"^(sbcast-start|sbcast-end) ([0-9.]+)$",
                                                     text, re.M)}
+    staged = re.search(r"^staged ([0-9.]+)$", text, re.M)
+    if staged:  # stage_image, then the nodes' first tasks
+        row["stage_s"] = round(float(staged.group(1)) - start, 2)
+        row["after_stage_s"] = round(max(firsts) - float(staged.group(1)), 2)
+    sent = re.search(r": broadcast sha256:\S+ \(([^)]*)\)[^:]* in ([0-9.]+) s: (\d+) node", text)
+    if sent:  # the batch host's task in the broadcast step: its fetch, sending, the gather
+        row["broadcast_root_s"], row["broadcast_took"] = float(sent.group(2)), int(sent.group(3))
+        row["fell_back"] = "staging with sbcast" in text
     if len(marks) == 2:  # the batch host's fetch, then sbcast, then the nodes' checks
         row["batch_fetch_s"] = round(marks["sbcast-start"] - start, 2)
         row["sbcast_s"] = round(marks["sbcast-end"] - marks["sbcast-start"], 2)
@@ -248,7 +265,10 @@ def measure(cluster: Sandbox, folder: Path, image: dict, nodes: int, modes: tupl
               f"registry served {row['registry_bytes'] / 1e9:6.2f} GB "
               f"({row['copies_served']} copies)"
               + (f"; batch fetch {row['batch_fetch_s']} s, sbcast {row['sbcast_s']} s, "
-                 f"checks and start {row['after_sbcast_s']} s" if "sbcast_s" in row else ""),
+                 f"checks and start {row['after_sbcast_s']} s" if "sbcast_s" in row else "")
+              + (f"; broadcast step {row['stage_s']} s (batch host's task "
+                 f"{row['broadcast_root_s']} s), start {row['after_stage_s']} s"
+                 if "broadcast_root_s" in row else ""),
               flush=True)
 
 
@@ -284,6 +304,8 @@ def main() -> None:
     parser.add_argument("--generated", default="6G", help="0: skip the generated image")
     parser.add_argument("--registry-rate", default="1gbit")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--no-variants", action="store_true",
+                        help="no sbcast block and tree-width variants at the largest N")
     args = parser.parse_args()
     counts = sorted({int(n) for n in args.nodes.split(",")} | {1})
     modes = tuple(m for m in args.modes.split(",") if m)
@@ -321,7 +343,7 @@ def main() -> None:
             try:
                 for nodes in counts:
                     chosen = ("sbcast",) if nodes == 1 else modes + (
-                        VARIANTS if nodes == max(counts) else ())
+                        VARIANTS if nodes == max(counts) and not args.no_variants else ())
                     measure(cluster, work, images["bert"], nodes, chosen, importer, tier,
                             results["bert"].setdefault(str(nodes), {}), save)
                 if size:
