@@ -201,6 +201,10 @@ def _check_or_apply(ctx: click.Context, apply: bool, plan: NodePlan) -> Result:
     from imgpipe.commands.site.nodecheck import apply_node, check_node
 
     settings = settings_of(ctx)
+    if plan.site_config is not None:  # the node's lines follow the config it will have
+        from imgpipe.commands.site.config import parse_settings
+
+        settings = parse_settings(plan.site_config)
     done = apply_node(settings, plan) if apply else None
     checked = check_node(settings, plan)
     lines = [f"plugstack: {checked.plugstack[0]} ({checked.plugstack[1]})"]

@@ -13,9 +13,26 @@ fails: one line, never a traceback.  Configuration comes from ``$IMGPIPE_CONFIG`
 
 from __future__ import annotations
 
+import os
 import sys
 
-from imgpipe.commands.node.importer import fast_get, get, is_foreign, record_step, release
+# Pyxis runs the importer with the job's environment.  A user's PYTHONPATH (a yaml.py of
+# theirs, packages of another Python) must not decide what the importer imports, or every
+# container job of that user fails, nvcr.io's too: then the importer runs again isolated
+# (python -I ignores PYTHON* variables and the user's site folder), before importing more.
+ISOLATE_FROM = ("PYTHONPATH", "PYTHONUSERBASE", "PYTHONSTARTUP", "PYTHONPLATLIBDIR")
+if (not sys.flags.isolated and os.path.basename(sys.argv[0]) == "imgpipe-pyxis-importer"
+        and any(os.environ.get(name) for name in ISOLATE_FROM)):
+    os.execv(sys.executable, [sys.executable, "-I", "-m", "imgpipe.cli.importer",
+                              *sys.argv[1:]])
+
+from imgpipe.commands.node.importer import (  # noqa: E402 (after the isolation above)
+    fast_get,
+    get,
+    is_foreign,
+    record_step,
+    release,
+)
 
 USAGE = ("usage: imgpipe-pyxis-importer get URI | release | stage URI | take URI "
          "[SHA256 STAGED MANIFEST] | broadcast URI")
@@ -85,3 +102,7 @@ def run() -> None:
 
         raise_on_sigterm()
     sys.exit(main())
+
+
+if __name__ == "__main__":  # the isolated re-run above
+    run()

@@ -39,6 +39,9 @@ ACCEPT=${ACCEPT-}
 # A node image instead of this host; imgpipe as installed on the nodes;
 # imgpipe's checkout (its catalog and lock)
 NODE_ROOT=${NODE_ROOT-/}
+# The site config step 3 installs on a node (a copy of the login node's, e.g.
+# from a folder every node sees)
+SITE_CONFIG_FILE=${SITE_CONFIG_FILE-/etc/imgpipe/imgpipe.yaml}
 IMGPIPE=${IMGPIPE-imgpipe}
 CHECKOUT=${CHECKOUT-$(cd "$(dirname "$0")/.." && pwd)}
 say() { printf '\n== %s\n' "$*"; }
@@ -54,14 +57,19 @@ for line in $ACCEPT; do
   accept+=(--accept "$line")
   if [ "$line" = importer ]; then importer=--pyxis-importer; fi
 done
-# A site config edited since it was written is kept (site init says so in a line).
+# A site config edited since it was written is kept; any other refusal stops here.
 # shellcheck disable=SC2086 # NODE_SHAPE is flags
-if ! "$IMGPIPE" site init --registry "$REGISTRY" "${tls[@]}" \
+if ! said=$("$IMGPIPE" site init --registry "$REGISTRY" "${tls[@]}" \
     --squashfs-dir "$SQUASHFS" --distribution "$DISTRIBUTION" "$importer" \
     --partition "$PARTITION" --data-root "$DATA" \
-    --flavor "$FLAVOR" --from "$PROFILE_FROM" $NODE_SHAPE; then
-  [ -f /etc/imgpipe/imgpipe.yaml ] || exit 1
-  echo "site init: keeping /etc/imgpipe/imgpipe.yaml as it is"
+    --flavor "$FLAVOR" --from "$PROFILE_FROM" $NODE_SHAPE 2>&1); then
+  echo "$said" >&2
+  case "$said" in
+    *"exists already, with other values"*) echo "site init: keeping the site config as edited" ;;
+    *) exit 1 ;;
+  esac
+else
+  echo "$said"
 fi
 "$IMGPIPE" config show --origin
 "$IMGPIPE" doctor || echo "doctor: the lines above say what this host lacks"
@@ -76,11 +84,17 @@ fi
 # Step 3 acts on the host it runs on (NODE_ROOT: a node image instead): run it on
 # each compute node (pdsh, clush, the node image), never on the login node.
 say "3. imgpipe on each compute node (as root; NODE_ROOT for a node image)"
-"$IMGPIPE" node-config --check --root "$NODE_ROOT"
-"$IMGPIPE" node-config --apply --root "$NODE_ROOT" "${accept[@]}"
-"$IMGPIPE" node-config --make-cache "$SQUASHFS"
+"$IMGPIPE" node-config --check --root "$NODE_ROOT" --site-config "$SITE_CONFIG_FILE"
+"$IMGPIPE" node-config --apply --root "$NODE_ROOT" --site-config "$SITE_CONFIG_FILE" \
+    "${accept[@]}"
+if [ "$DISTRIBUTION" = shared ]; then
+  # once, from any host that mounts it (node-local folders: a boot unit, docs/admin.md)
+  "$IMGPIPE" node-config --make-cache "$SQUASHFS"
+fi
+# The profile's file must be on the node too (a copy of the login node's
+# /etc/imgpipe/profiles, or a profiles_dir every node sees).
 "$IMGPIPE" recipes profile check site \
-  || echo "profile: edit /etc/imgpipe/profiles/site.yaml"
+  || echo "profile: edit the site's profiles/site.yaml (on the login node) and copy it"
 
 say "4. the first jobs (login node, as a user, in the checkout)"
 # Under DATA, which every node sees: sbatch --chdir must exist on the nodes too.

@@ -183,7 +183,7 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
                                 "for enroot.distribution broadcast (coll_tuned_bcast_"
                                 "algorithm; default 3, the pipeline)"),
     "IMGPIPE_BCAST_SEGMENT": ("all (node-local caches)", "that broadcast's segment size in "
-                              "bytes (default 1048576)"),
+                              "bytes (default 4194304)"),
 }
 IMPORTER_ENVIRONMENT: dict[str, str] = {
     "IMGPIPE_CONFIG": "the one config file the importer reads (default "

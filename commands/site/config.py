@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 from imgpipe.base.config import Settings
 from imgpipe.base.configcheck import conflicts
+from imgpipe.base.configlayers import parse_settings
 
-__all__ = ["Key", "conflicts", "effective_keys"]
+__all__ = ["Key", "conflicts", "effective_keys", "parse_settings"]
 
 
 @dataclass(frozen=True)

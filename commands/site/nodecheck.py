@@ -268,14 +268,20 @@ def _plugstack(plan: NodePlan, pyxis: tuple[str, Version] | None, plugstack: str
     if current is not None:
         return Finding(shown, "conflict", False, [f"  line {number}: the site's Pyxis already "
                                                   f"uses {current}: left as it is"])
-    mounted = "use_squashfuse=1" in options and pyxis[1] >= SQUASHFUSE_IMPORTER_SINCE
+    on = {o.split("=", 1)[0] for o in options
+          if o.split("=", 1)[-1].lower() in ("1", "true", "yes", "y")}
+    mounted = "use_squashfuse" in on and pyxis[1] >= SQUASHFUSE_IMPORTER_SINCE
     code, hash_mark, comment = line.partition("#")  # Slurm drops what follows a '#'
     changed = f"{code.rstrip()} {wanted}" + (f" {hash_mark}{comment}" if hash_mark else "")
     return Finding(shown, "differs", False, [f"- {line}", f"+ {changed}"],
                    IMPORTER_AFFECTS + ("; and since this line has use_squashfuse=1, Pyxis "
                                        "then mounts what the importer returns read-only, "
                                        "nvcr.io's images too, which it unpacked before"
-                                       if mounted else ""),
+                                       if mounted else "")
+                   + ("; and since this line has use_enroot_load=1, which Pyxis skips when an "
+                      "importer is set, nvcr.io's images are then imported to a squashfs in "
+                      "Pyxis's runtime folder and unpacked, not loaded"
+                      if "use_enroot_load" in on else ""),
                    "leave it out: the recipes then pin squashfs paths "
                    "(enroot.pyxis_importer: false; imgpipe convert on the login node), and "
                    "Pyxis imports as before", "importer")
@@ -325,8 +331,9 @@ def apply_node(settings: Settings, plan: NodePlan = NodePlan()) -> list[str]:
     if site_config is None and SITE_CONFIG.is_file():
         site_config = SITE_CONFIG
     checked = check_node(settings, plan)
-    if "pyxis" in plan.accept and checked.plugstack[1].startswith("Slurm's default") and any(
-            f.accept == "pyxis" and f.verdict == "missing" for f in checked.findings):
+    if checked.plugstack[1].startswith("Slurm's default") and any(
+            f.accept in plan.accept and f.accept in ("pyxis", "importer")
+            and f.verdict in ("missing", "differs") for f in checked.findings):
         raise ConfigError("refused: no slurm.conf on this node says which plugstack slurmd "
                           "reads (configless Slurm fetches it from slurmctld), and a line "
                           "written where slurmd does not read it does nothing",

@@ -97,3 +97,20 @@ def test_local_engines_and_a_config_that_cannot_be_read_go_to_enroot(tmp_path: P
         [line] = done.stderr.strip().splitlines()
         assert line.startswith("imgpipe: cannot use ") and "imported by enroot" in line
         assert Path(done.stdout.strip()).read_bytes() == b"hsqs"
+
+
+def test_a_users_pythonpath_cannot_break_the_importer(tmp_path: Path) -> None:
+    """Pyxis runs the importer with the job's environment: before, a yaml.py on the user's
+    PYTHONPATH made every container job of that user die with a traceback, nvcr.io's too."""
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    for name in ("yaml", "requests", "pydantic"):
+        (shadow / f"{name}.py").write_text("raise RuntimeError('the user shadowed me')\n")
+    os.environ["PYTHONPATH"] = str(shadow)
+    try:
+        done = _importer(tmp_path, "get", "docker://nvcr.io#nvidia/pytorch:25.01-py3")
+    finally:
+        del os.environ["PYTHONPATH"]
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    assert Path(done.stdout.strip()).read_bytes() == b"hsqs"

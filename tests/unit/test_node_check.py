@@ -235,3 +235,28 @@ def test_a_relative_include_a_trailing_comment_and_the_plugin_path_of_the_line(
                        "importer=/usr/local/bin/imgpipe-pyxis-importer # ours")
     code, out, _ = cli("node-config", "--check", "--root", str(root))
     assert "/etc/slurm/plugstack.conf.d/pyxis.conf (the site's): ok" in out
+
+
+def test_what_importer_changes_on_a_line_with_enroot_load_or_squashfuse_is_said(
+        cli, tmp_path: Path) -> None:
+    """Pyxis skips use_enroot_load when an importer is set, and with use_squashfuse=1 (0.24)
+    mounts what the importer returns: either changes how nvcr.io's images start."""
+    root = tmp_path / "node"
+    _node(root)
+    (root / "etc/slurm/plugstack.conf.d/pyxis.conf").write_text(
+        PYXIS + " use_enroot_load=1 use_squashfuse=1\n")
+    code, out, err = cli("node-config", "--check", "--root", str(root))
+    assert code == 0, err
+    [affects] = [line for line in out.splitlines() if "! changes existing jobs" in line]
+    assert "use_enroot_load=1" in affects and "use_squashfuse=1" in affects
+
+
+def test_importer_is_not_written_where_no_slurm_conf_says_slurmd_reads_it(cli, tmp_path: Path
+                                                                          ) -> None:
+    root = tmp_path / "node"
+    _node(root)
+    (root / "etc/slurm/slurm.conf").unlink()  # configless: the plugstack is slurmctld's
+    before = sums(root)
+    code, _, err = cli("node-config", "--apply", "--root", str(root), "--accept", "importer")
+    assert code == 2 and "configless Slurm" in err
+    assert sums(root) == before
