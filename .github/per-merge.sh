@@ -4,7 +4,7 @@
 # node"): the packages, the runner user in the docker group, a venv with imgpipe's
 # dependencies at $IMGPIPE_VENV that the runner user owns, and the site's imgpipe.yaml.
 #
-#   IMGPIPE_VENV=/opt/imgpipe/venv IMGPIPE_SITE_CONFIG=/etc/imgpipe/imgpipe.yaml \
+#   IMGPIPE_VENV=/opt/imgpipe-ci/venv IMGPIPE_SITE_CONFIG=/etc/imgpipe/imgpipe.yaml \
 #     .github/per-merge.sh ngc
 #
 # actions/checkout leaves no imgpipe.lock (it is not committed, and a clean checkout wipes

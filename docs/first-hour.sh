@@ -8,12 +8,13 @@ set -euo pipefail
 # The head node's registry, and the CA that signed its certificate ("": http)
 REGISTRY=${REGISTRY-head:5000}
 REGISTRY_CA=${REGISTRY_CA-/etc/pki/site-ca.crt}
-# The squashfs folder, and how images reach it on the nodes: shared (on the
-# cluster file system), or sbcast / fetch (a node-local folder, the same path on
-# every node); the partition jobs run in; the folder for data, checkpoints and
-# results
+# The squashfs folder, and how images reach it on the nodes (empty: shared when
+# SQUASHFS is on a cluster file system, else site init asks; sbcast / fetch /
+# broadcast for a node-local folder, the same path on every node, need
+# ACCEPT=importer); the partition jobs run in; the folder for data, checkpoints
+# and results
 SQUASHFS=${SQUASHFS-/lustre/imgpipe/squashfs}
-DISTRIBUTION=${DISTRIBUTION-shared}  # sbcast and fetch need ACCEPT=importer
+DISTRIBUTION=${DISTRIBUTION-}
 PARTITION=${PARTITION-gpu}
 DATA=${DATA-/lustre/bert}
 # The shipped profile nearest your nodes, and how yours differ (empty: as
@@ -26,11 +27,11 @@ NODE_SHAPE=${NODE_SHAPE-}
 FLAVOR=${FLAVOR-ngc}
 IMAGES=${IMAGES-bert nccl-tests}
 RUNTIME=${RUNTIME-pyxis}
-# The first jobs: nodes, tasks (GPUs) per node, and whose they are (empty:
-# whoever runs this)
+# The first jobs: nodes, tasks (GPUs) per node, and the user who runs them
+# (never root: Enroot refuses root's jobs; default: who ran sudo)
 NODES=${NODES-2}
 TASKS=${TASKS-8}
-AS_USER=${AS_USER-}
+AS_USER=${AS_USER-${SUDO_USER:-}}
 # Lines that change the site's jobs, taken (space-separated; node-config prints
 # each, commented, with what it changes): importer (importer= on the site's
 # Pyxis line), pyxis (a Pyxis line where there is none), container_scope,
@@ -44,23 +45,31 @@ NODE_ROOT=${NODE_ROOT-/}
 SITE_CONFIG_FILE=${SITE_CONFIG_FILE-/etc/imgpipe/imgpipe.yaml}
 IMGPIPE=${IMGPIPE-imgpipe}
 CHECKOUT=${CHECKOUT-$(cd "$(dirname "$0")/.." && pwd)}
+# Which steps to run here: 1 and 4 on the login node, 2 on the build host, 3 on
+# each compute node (e.g. STEPS=3 through pdsh or clush)
+STEPS=${STEPS-1 2 3 4}
 say() { printf '\n== %s\n' "$*"; }
+step() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
 as_user() {
   if [ -n "$AS_USER" ]; then runuser -u "$AS_USER" -- "$@"; else "$@"; fi
 }
 
-say "1. the site's config and profile (login node, as root)"
-tls=(--plain-http)
-if [ -n "$REGISTRY_CA" ]; then tls=(--registry-ca "$REGISTRY_CA"); fi
 importer=--no-pyxis-importer accept=()
 for line in $ACCEPT; do
   accept+=(--accept "$line")
   if [ "$line" = importer ]; then importer=--pyxis-importer; fi
 done
+distribution=()
+if [ -n "$DISTRIBUTION" ]; then distribution=(--distribution "$DISTRIBUTION"); fi
+
+if step 1; then
+say "1. the site's config and profile (login node, as root)"
+tls=(--plain-http)
+if [ -n "$REGISTRY_CA" ]; then tls=(--registry-ca "$REGISTRY_CA"); fi
 # A site config edited since it was written is kept; any other refusal stops here.
 # shellcheck disable=SC2086 # NODE_SHAPE is flags
 if ! said=$("$IMGPIPE" site init --registry "$REGISTRY" "${tls[@]}" \
-    --squashfs-dir "$SQUASHFS" --distribution "$DISTRIBUTION" "$importer" \
+    --squashfs-dir "$SQUASHFS" "${distribution[@]}" "$importer" \
     --partition "$PARTITION" --data-root "$DATA" \
     --flavor "$FLAVOR" --from "$PROFILE_FROM" $NODE_SHAPE 2>&1); then
   echo "$said" >&2
@@ -73,16 +82,20 @@ else
 fi
 "$IMGPIPE" config show --origin
 "$IMGPIPE" doctor || echo "doctor: the lines above say what this host lacks"
+fi
 
-say "2. the images (build host, in imgpipe's checkout)"
 cd "$CHECKOUT"
+if step 2; then
+say "2. the images (build host, in imgpipe's checkout)"
 if [ -n "$IMAGES" ]; then
   # shellcheck disable=SC2086 # IMAGES is a list
   "$IMGPIPE" build $IMAGES --flavor "$FLAVOR" && "$IMGPIPE" push --squashfs
 fi
+fi
 
 # Step 3 acts on the host it runs on (NODE_ROOT: a node image instead): run it on
 # each compute node (pdsh, clush, the node image), never on the login node.
+if step 3; then
 say "3. imgpipe on each compute node (as root; NODE_ROOT for a node image)"
 "$IMGPIPE" node-config --check --root "$NODE_ROOT" --site-config "$SITE_CONFIG_FILE"
 "$IMGPIPE" node-config --apply --root "$NODE_ROOT" --site-config "$SITE_CONFIG_FILE" \
@@ -95,8 +108,14 @@ fi
 # /etc/imgpipe/profiles, or a profiles_dir every node sees).
 "$IMGPIPE" recipes profile check site \
   || echo "profile: edit the site's profiles/site.yaml (on the login node) and copy it"
+fi
 
+step 4 || exit 0
 say "4. the first jobs (login node, as a user, in the checkout)"
+if [ "$(id -u)" = 0 ] && [ -z "$AS_USER" ]; then
+  echo "step 4: set AS_USER to the user who runs the first jobs (not root)" >&2
+  exit 2
+fi
 # Under DATA, which every node sees: sbatch --chdir must exist on the nodes too.
 recipes="$DATA/first-hour-recipes"
 as_user mkdir -p "$recipes"

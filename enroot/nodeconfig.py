@@ -228,29 +228,44 @@ SLURM_CONF_CANDIDATES = ("/etc/slurm/slurm.conf", "/etc/slurm-llnl/slurm.conf",
                          "/usr/local/etc/slurm.conf")
 
 
+def slurm_conf(root: Path = Path("/")) -> Path | None:
+    """slurm.conf as slurmd finds it: ``$SLURM_CONF`` on this host, else the first of
+    SLURM_CONF_CANDIDATES under ``root``; None where there is none (configless Slurm)."""
+    import os
+
+    if root == Path("/") and os.environ.get("SLURM_CONF"):
+        return Path(os.environ["SLURM_CONF"])
+    return next((Path(c) for c in SLURM_CONF_CANDIDATES if (root / c.lstrip("/")).is_file()),
+                None)
+
+
+def slurm_conf_value(root: Path, key: str) -> str | None:
+    """A key of slurm.conf (case-insensitive, as Slurm reads it), None when unset."""
+    conf = slurm_conf(root)
+    if conf is None:
+        return None
+    try:
+        text = (root / str(conf).lstrip("/")).read_text(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        name, _, value = line.split("#", 1)[0].strip().partition("=")
+        if name.strip().lower() == key.lower() and value.strip():
+            return value.strip()
+    return None
+
+
 def find_plugstack(root: Path = Path("/")) -> tuple[str, str]:
     """(the plugstack file slurmd reads, how that was learnt), the way slurmd finds it:
     slurm.conf's ``PlugStackConfig``, else ``plugstack.conf`` beside slurm.conf (Slurm's
     configuration folder: /etc/slurm, /etc/slurm-llnl on older Debian packages).  slurm.conf
     is ``$SLURM_CONF`` on this host, else the first of SLURM_CONF_CANDIDATES."""
-    import os
-
-    conf: Path | None = None
-    if root == Path("/") and os.environ.get("SLURM_CONF"):
-        conf = Path(os.environ["SLURM_CONF"])
-    else:
-        conf = next((Path(c) for c in SLURM_CONF_CANDIDATES
-                     if (root / c.lstrip("/")).is_file()), None)
+    conf = slurm_conf(root)
     if conf is None:
         return "/etc/slurm/plugstack.conf", "Slurm's default (no slurm.conf found)"
-    try:
-        text = (root / str(conf).lstrip("/")).read_text(errors="replace")
-    except OSError:
-        text = ""
-    for line in text.splitlines():
-        key, _, value = line.split("#", 1)[0].strip().partition("=")
-        if key.strip().lower() == "plugstackconfig" and value.strip():
-            return value.strip(), f"PlugStackConfig in {conf}"
+    value = slurm_conf_value(root, "PlugStackConfig")
+    if value:
+        return value, f"PlugStackConfig in {conf}"
     return str(conf.parent / "plugstack.conf"), f"beside {conf} (no PlugStackConfig there)"
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from imgpipe.base import process
 from imgpipe.base.errors import ImgpipeError
-from imgpipe.commands.node.importer import IMPORTED, _quick, import_folders, write_record
+from imgpipe.commands.node.importer import IMPORTED, _quick, import_folder, write_record
 
 __all__ = ["enroot_get"]
 
@@ -31,8 +31,8 @@ def enroot_get(uri: str) -> Path:
     """``uri`` imported by Enroot as Pyxis would, into this user's import folder; recorded
     so that release removes it."""
     enroot = process.require("enroot")  # before anything is made for it
-    folders = import_folders()
-    if not folders:
+    folder = import_folder()
+    if folder is None:
         squashfs = (_quick() or {}).get("squashfs_dir") or "outputs.squashfs_dir"
         raise ImgpipeError(f"no folder to import {uri} into: neither $PYXIS_RUNTIME_PATH/"
                            f"{os.getuid()} (Pyxis's) nor {squashfs}/.imgpipe/tmp/"
@@ -41,7 +41,7 @@ def enroot_get(uri: str) -> Path:
                            "squashfs folder up (imgpipe node-config --make-cache)")
     job = os.environ.get("SLURM_JOB_ID", "nojob")
     step = os.environ.get("SLURM_STEP_ID", "nostep")
-    out = Path(folders[0]) / f"import.{socket.gethostname()}.{job}.{step}.squashfs"
+    out = Path(folder) / f"import.{socket.gethostname()}.{job}.{step}.squashfs"
     try:  # a leftover of this step's earlier try: this user's own file only
         if out.lstat().st_uid == os.getuid():
             out.unlink()

@@ -63,30 +63,39 @@ def pyxis_folder() -> str | None:
     return None
 
 
-def import_folders() -> list[str]:
-    """Where this user's imports may go, in order: Pyxis's runtime folder of this user, the
-    private folder of the node's squashfs cache (made 0700 when the cache is there)."""
+def cache_folder() -> str | None:
+    """This user's private folder of the node's squashfs cache (``.imgpipe/tmp/uUID``), by
+    name alone: nothing is asked of the file system (it may be Lustre) until it is used."""
+    squashfs = (_quick() or {}).get("squashfs_dir")
+    return os.path.join(str(squashfs), ".imgpipe", "tmp", f"u{os.getuid()}") if squashfs \
+        else None
+
+
+def _own_folder(folder: str) -> bool:
+    """``folder`` made 0700 where missing, and this user's alone."""
     import stat
 
-    folders = []
+    try:
+        os.mkdir(folder, 0o700)
+    except OSError:
+        pass
+    try:
+        info = os.lstat(folder)
+    except OSError:
+        return False
+    return (stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()
+            and not info.st_mode & 0o077)
+
+
+def import_folder() -> str | None:
+    """Where this user's import of another registry's image goes: Pyxis's runtime folder of
+    the user (the squashfs cache is then not touched at all), else the cache's private
+    folder; None when neither is usable."""
     pyxis = pyxis_folder()
     if pyxis:
-        folders.append(pyxis)
-    squashfs = (_quick() or {}).get("squashfs_dir")
-    if squashfs:
-        private = os.path.join(str(squashfs), ".imgpipe", "tmp", f"u{os.getuid()}")
-        try:
-            os.mkdir(private, 0o700)
-        except OSError:
-            pass
-        try:
-            info = os.lstat(private)
-            if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() \
-                    and not info.st_mode & 0o077:
-                folders.append(private)
-        except OSError:
-            pass
-    return folders
+        return pyxis
+    cache = cache_folder()
+    return cache if cache and _own_folder(cache) else None
 
 
 def _record_dir() -> str:
@@ -99,8 +108,13 @@ def _record_dir() -> str:
     home = os.path.expanduser("~")
     if home and home != "~":
         candidates.append(os.path.join(home, ".cache", "imgpipe"))
-    candidates += import_folders()[-1:]  # the node cache's folder of this user's
+    candidates.append("cache")  # the node cache's folder of this user's: asked last
     for folder in filter(None, candidates):
+        if folder == "cache":  # never made above a cache nobody set up
+            cache = cache_folder()
+            if cache and _own_folder(cache):
+                return cache
+            continue
         try:
             os.makedirs(folder, mode=0o700, exist_ok=True)
             info = os.lstat(folder)
@@ -419,7 +433,7 @@ def release() -> None:
     if len(lines) == 2 and lines[0] == IMPORTED:  # an image of another registry: its file
         path = lines[1]
         with contextlib.suppress(FileNotFoundError):
-            if os.path.dirname(path) in import_folders() and os.path.basename(
+            if os.path.dirname(path) in (pyxis_folder(), cache_folder()) and os.path.basename(
                     path).startswith("import.") and os.lstat(path).st_uid == os.getuid():
                 os.unlink(path)
     elif len(lines) == 2 and configured is not None:

@@ -66,6 +66,8 @@ class Backup:
             os.symlink(os.readlink(path), copy)
         else:
             shutil.copy2(path, copy, follow_symlinks=False)
+        info = path.lstat()  # owner and group too: --rollback gives them back
+        os.chown(copy, info.st_uid, info.st_gid, follow_symlinks=False)
         return [f"kept {path} as {copy}"]
 
 
@@ -93,12 +95,14 @@ def rollback(root: Path) -> list[str]:
                        (p.is_symlink() or p.is_file())):
         target = root / copy.relative_to(run)
         walk_folder(target.parent)
+        kept = copy.lstat()
         if copy.is_symlink():
             if os.path.lexists(target):
                 target.unlink()
             os.symlink(os.readlink(copy), target)
         else:
-            atomic_write(target, copy.read_bytes(), mode=copy.stat().st_mode & 0o777)
+            atomic_write(target, copy.read_bytes(), mode=kept.st_mode & 0o777)
+        os.chown(target, kept.st_uid, kept.st_gid, follow_symlinks=False)
         done.append(f"restored {target} from {copy}")
     created = run / CREATED
     if created.is_file():

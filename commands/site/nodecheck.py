@@ -42,6 +42,7 @@ from imgpipe.enroot.nodeconfig import (
     find_plugstack,
     importer_path,
     pyxis_line,
+    slurm_conf_value,
 )
 
 __all__ = ["Finding", "NodeCheck", "NodePlan", "apply_node", "check_node"]
@@ -149,7 +150,12 @@ def check_node(settings: Settings, plan: NodePlan = NodePlan()) -> NodeCheck:
         site_config = SITE_CONFIG
     plugstack = (plan.plugstack, "--plugstack") if plan.plugstack else find_plugstack(root)
     named = [line.split("#", 1)[0].split()[1] for _, _, line in pyxis_lines(root, plugstack[0])]
-    where = [*dict.fromkeys([*(n for n in named if n.startswith("/")), *PYXIS_SO_CANDIDATES])]
+    plugin_dirs = (slurm_conf_value(root, "PluginDir") or "").split(":")  # a relative name's
+    where = [*dict.fromkeys([*(n for n in named if n.startswith("/")),
+                             *(os.path.join(d, n) for n in named if not n.startswith("/")
+                               for d in [*plugin_dirs, *map(os.path.dirname,
+                                                            PYXIS_SO_CANDIDATES)] if d),
+                             *PYXIS_SO_CANDIDATES])]
     pyxis = detect_pyxis(tuple(str(_under(root, c)) for c in where))
     findings = [_site_config(root, site_config), *_ca_file(settings, root),
                 _importer_link(plan), _plugstack(plan, pyxis, plugstack[0])]
@@ -180,9 +186,22 @@ def _ca_file(settings: Settings, root: Path) -> list[Finding]:
                                         " put the registry's CA there (the node image)"])]
 
 
+def _unsafe(root: Path, path: Path, info: os.stat_result) -> str | None:
+    """Why a file or folder on the importer's way is not root's alone: every user's
+    --container-image step runs what lies there."""
+    if info.st_uid != 0:
+        return f"{_shown(root, path)} belongs to uid {info.st_uid}, not root"
+    sticky_dir = stat.S_ISDIR(info.st_mode) and info.st_mode & stat.S_ISVTX
+    if info.st_mode & 0o022 and not stat.S_ISLNK(info.st_mode) and not sticky_dir:
+        return f"{_shown(root, path)} is writable by others (mode {info.st_mode & 0o777:o})"
+    return None
+
+
 def runnable_by_others(root: Path, path: Path) -> str | None:
-    """Why a job user (not root, not the owner) could not execute ``path`` inside ``root``,
-    following its links and its script's interpreter; None when one could."""
+    """Why a job user (not root, not the owner) could not, or should not, execute ``path``
+    inside ``root``, following its links and its script's interpreter: every folder and file
+    on the way must let others run it and be root's alone (Pyxis runs it in every user's
+    container step); None when it is so."""
     seen = 0
     current = path
     while True:
@@ -200,6 +219,8 @@ def runnable_by_others(root: Path, path: Path) -> str | None:
             if stat.S_ISDIR(info.st_mode) and not info.st_mode & 0o001:
                 return f"{_shown(root, folder)} is closed to other users " \
                        f"(mode {info.st_mode & 0o777:o})"
+            if os.geteuid() == 0 and (why := _unsafe(root, folder, info)):
+                return why
         try:
             info = host.lstat()
         except FileNotFoundError:
@@ -210,6 +231,8 @@ def runnable_by_others(root: Path, path: Path) -> str | None:
             continue
         if not info.st_mode & 0o001:
             return f"{current} is not executable by other users (mode {info.st_mode & 0o777:o})"
+        if os.geteuid() == 0 and (why := _unsafe(root, host, info)):
+            return why
         with open(host, "rb") as handle:
             head = handle.read(256)
         if head.startswith(b"#!"):
@@ -285,6 +308,15 @@ def _plugstack(plan: NodePlan, pyxis: tuple[str, Version] | None, plugstack: str
                    "leave it out: the recipes then pin squashfs paths "
                    "(enroot.pyxis_importer: false; imgpipe convert on the login node), and "
                    "Pyxis imports as before", "importer")
+
+
+def _rewrite(target: Path, text: str) -> Path:
+    """A site file written anew, keeping its mode, owner and group (a new one: 0644, root's)."""
+    info = target.stat() if target.is_file() else None
+    atomic_write(target, text.encode(), mode=info.st_mode & 0o777 if info else 0o644)
+    if info is not None and os.geteuid() == 0:
+        os.chown(target, info.st_uid, info.st_gid)
+    return target
 
 
 def _new_line_options(plan: NodePlan, version: Version, wanted: str
@@ -371,13 +403,15 @@ def apply_node(settings: Settings, plan: NodePlan = NodePlan()) -> list[str]:
             text = (old + ("\n" if old and not old.endswith("\n") else "")
                     + "# added by imgpipe node-config --apply --accept pyxis\n"
                     + finding.diff[0][2:] + "\n")
-            mode = target.stat().st_mode & 0o777 if target.is_file() else 0o644
-            done.append(f"wrote {atomic_write(target, text.encode(), mode=mode)}")
+            done.append(f"wrote {_rewrite(target, text)}")
             done += [said.strip() for said in finding.diff[1:]]  # accepted, left out
         elif finding.accept == "importer":
             done += backup.keep(target)
             old, new = finding.diff[0][2:], finding.diff[1][2:]
-            text = target.read_text().replace(old, new, 1)
-            mode = target.stat().st_mode & 0o777
-            done.append(f"wrote {atomic_write(target, text.encode(), mode=mode)}")
+            done.append(f"wrote {_rewrite(target, target.read_text().replace(old, new, 1))}")
+    kept = sorted(plan.accept & {"container_scope", "squashfuse"})
+    if kept and not any(f.accept == "pyxis" and f.verdict == "missing"
+                        for f in checked.findings):
+        done.append(f"{', '.join(kept)}: left as the site's own Pyxis line has it (only a "
+                    "Pyxis line --apply writes takes it)")
     return done

@@ -39,13 +39,27 @@ def test_jobs_start_in_a_folder_the_compute_nodes_see(tmp_path: Path) -> None:
     for tool in ("imgpipe", "sbatch"):
         (bin_dir / tool).write_text(f'#!/bin/sh\necho "{tool} $*" >> {calls}\necho 1\n')
         (bin_dir / tool).chmod(0o755)
+    # the user's part runs through runuser: here a stand-in that runs it as is
+    (bin_dir / "runuser").write_text('#!/bin/sh\nwhile [ "$1" != -- ]; do shift; done\n'
+                                     'shift\nexec "$@"\n')
+    (bin_dir / "runuser").chmod(0o755)
     data = tmp_path / "lustre-bert"
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "IMGPIPE": "imgpipe", "DATA": str(data),
+           "IMAGES": "", "TMPDIR": str(tmp_path), "NODE_ROOT": str(tmp_path / "node"),
+           "CHECKOUT": str(tmp_path), "AS_USER": "alice"}
     done = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=60,
-                          env={"PATH": f"{bin_dir}:/usr/bin:/bin", "IMGPIPE": "imgpipe",
-                               "DATA": str(data), "IMAGES": "", "TMPDIR": str(tmp_path),
-                               "NODE_ROOT": str(tmp_path / "node"),
-                               "CHECKOUT": str(tmp_path)})
+                          env=env)
     assert done.returncode == 0, done.stderr
     [sbatch] = [line for line in calls.read_text().splitlines() if line.startswith("sbatch")]
     chdir = sbatch.split("--chdir ", 1)[1].split()[0]
     assert chdir.startswith(f"{data}/"), sbatch
+
+
+def test_the_first_jobs_are_never_roots(tmp_path: Path) -> None:
+    """Enroot refuses a job run as root: step 4 as root with no AS_USER stops in one line
+    instead of submitting one (and a single step can be run alone: STEPS)."""
+    done = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "STEPS": "4", "AS_USER": "",
+                               "DATA": str(tmp_path), "CHECKOUT": str(tmp_path)})
+    assert done.returncode == 2 and "set AS_USER" in done.stderr  # the suite runs as root
+    assert "1. the site's config" not in done.stdout  # STEPS=4 ran step 4 alone

@@ -114,3 +114,16 @@ def test_a_users_pythonpath_cannot_break_the_importer(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr
     assert Path(done.stdout.strip()).read_bytes() == b"hsqs"
+
+
+def test_under_pyxis_the_squashfs_cache_is_not_touched(tmp_path: Path) -> None:
+    """Another registry's image imported into Pyxis's folder asks nothing of the node's
+    squashfs cache (on Lustre, a stalled mount must not hold nvcr.io jobs up): before, a
+    private folder of the user's was made there on every step."""
+    tmp = tmp_path / "build" / "squashfs" / ".imgpipe" / "tmp"
+    tmp.mkdir(parents=True)
+    tmp.chmod(0o1777)
+    done = _importer(tmp_path, "get", "docker://nvcr.io#nvidia/pytorch:25.01-py3")
+    assert done.returncode == 0, done.stderr
+    assert list(tmp.iterdir()) == []
+    assert _importer(tmp_path, "release").returncode == 0

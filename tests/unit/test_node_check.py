@@ -260,3 +260,33 @@ def test_importer_is_not_written_where_no_slurm_conf_says_slurmd_reads_it(cli, t
     code, _, err = cli("node-config", "--apply", "--root", str(root), "--accept", "importer")
     assert code == 2 and "configless Slurm" in err
     assert sums(root) == before
+
+
+def test_an_importer_another_account_could_change_is_refused(cli, tmp_path: Path) -> None:
+    """Pyxis runs the importer in every user's container step: a venv the CI runner's account
+    owns (docs/images.md hands it one) must not become it."""
+    root = tmp_path / "node"
+    _node(root)
+    os.chown(root / "opt/imgpipe/bin", 65534, -1)  # nobody's, e.g. a runner's venv
+    code, out, _ = cli("node-config", "--check", "--root", str(root))
+    assert "/opt/imgpipe/bin belongs to uid 65534, not root" in out
+    code, _, err = cli("node-config", "--apply", "--root", str(root), "--accept", "importer")
+    assert code == 2 and "refused" in err
+    os.chown(root / "opt/imgpipe/bin", 0, -1)
+    (root / "opt/imgpipe/bin/imgpipe-pyxis-importer").chmod(0o777)
+    code, out, _ = cli("node-config", "--check", "--root", str(root))
+    assert "imgpipe-pyxis-importer is writable by others" in out
+
+
+def test_apply_and_rollback_keep_the_site_files_owner(cli, tmp_path: Path) -> None:
+    root = tmp_path / "node"
+    _node(root)
+    pyxis = root / "etc/slurm/plugstack.conf.d/pyxis.conf"
+    os.chown(pyxis, 0, 65534)  # the site's group, e.g. its configuration management's
+    code, _, err = cli("node-config", "--apply", "--root", str(root), "--accept", "importer")
+    assert code == 0, err
+    assert (pyxis.stat().st_uid, pyxis.stat().st_gid) == (0, 65534)
+    code, _, err = cli("node-config", "--rollback", "--root", str(root))
+    assert code == 0, err
+    assert pyxis.read_text() == PYXIS + "\n"
+    assert (pyxis.stat().st_uid, pyxis.stat().st_gid) == (0, 65534)
