@@ -95,14 +95,14 @@ def rollback(root: Path) -> list[str]:
                        (p.is_symlink() or p.is_file())):
         target = root / copy.relative_to(run)
         walk_folder(target.parent)
-        kept = copy.lstat()
+        held = copy.lstat()
         if copy.is_symlink():
             if os.path.lexists(target):
                 target.unlink()
             os.symlink(os.readlink(copy), target)
         else:
-            atomic_write(target, copy.read_bytes(), mode=kept.st_mode & 0o777)
-        os.chown(target, kept.st_uid, kept.st_gid, follow_symlinks=False)
+            atomic_write(target, copy.read_bytes(), mode=held.st_mode & 0o777)
+        os.chown(target, held.st_uid, held.st_gid, follow_symlinks=False)
         done.append(f"restored {target} from {copy}")
     created = run / CREATED
     if created.is_file():
