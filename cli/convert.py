@@ -131,6 +131,9 @@ convert_command.name = "convert"
               "(use_squashfuse=1).  Without it each is printed commented out, marked.")
 @click.option("--rollback", is_flag=True, help="As root: put back the files the last --apply "
               "replaced, and remove the ones it made (then restart slurmd).")
+@click.option("--shared-plugstack", is_flag=True, help="With --apply: the plugstack is on storage "
+              "every node reads (NFS, Lustre), and imgpipe is on every node already: change "
+              "it for all at once.")
 @click.option("--plugstack", default=None, metavar="FILE", help="The plugstack slurmd reads "
               "(default: PlugStackConfig in slurm.conf, else plugstack.conf beside it).")
 @click.option("--venv", "node_venv", type=click.Path(file_okay=False, path_type=Path),
@@ -148,7 +151,8 @@ def node_config(ctx: click.Context, pyxis_version: tuple[int, int, int] | None,
                 pyxis_plugin: str | None,
                 enroot_path: str | None, importer: str | None, no_squashfuse: bool,
                 make_cache: str | None, group: str | None, check: bool, apply: bool,
-                accept: tuple[str, ...], rollback: bool, plugstack: str | None,
+                accept: tuple[str, ...], rollback: bool, shared_plugstack: bool,
+                plugstack: str | None,
                 node_venv: Path | None, site_config: Path | None, node_root: Path) -> Result:
     """Print what compute nodes need for imgpipe, and check or set up a node.
 
@@ -181,7 +185,8 @@ def node_config(ctx: click.Context, pyxis_version: tuple[int, int, int] | None,
         from imgpipe.commands.site.nodecheck import NodePlan
 
         return _check_or_apply(ctx, apply, NodePlan(node_root, site_config, plugstack,
-                                                    node_venv, frozenset(accept)))
+                                                    node_venv, frozenset(accept),
+                                                    shared_plugstack))
     rendered = node_setup(settings_of(ctx), pyxis_version, pyxis_plugin, enroot_path, importer,
                           squashfuse=not no_squashfuse, accept=frozenset(accept),
                           plugstack=plugstack)

@@ -43,11 +43,13 @@ NODE_ROOT=${NODE_ROOT-/}
 # The site config step 3 installs on a node (a copy of the login node's, e.g.
 # from a folder every node sees)
 SITE_CONFIG_FILE=${SITE_CONFIG_FILE-/etc/imgpipe/imgpipe.yaml}
-IMGPIPE=${IMGPIPE-imgpipe}
+IMGPIPE=${IMGPIPE-$(command -v imgpipe || echo /opt/imgpipe/bin/imgpipe)}
 CHECKOUT=${CHECKOUT-$(cd "$(dirname "$0")/.." && pwd)}
-# Which steps to run here: 1 and 4 on the login node, 2 on the build host, 3 on
-# each compute node (e.g. STEPS=3 through pdsh or clush)
-STEPS=${STEPS-1 2 3 4}
+# Which steps to run here: 1 and 4 on the login node (as root; step 4 runs as
+# AS_USER, in CHECKOUT, which that user must be able to write), 2 on the build
+# host, 3 on each compute node (STEPS=3 through pdsh or clush; with NODE_ROOT a
+# node image, STEPS="1 2 3 4" on one host)
+STEPS=${STEPS-1 2 4}
 say() { printf '\n== %s\n' "$*"; }
 step() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
 as_user() {
@@ -74,11 +76,18 @@ if ! said=$("$IMGPIPE" site init --registry "$REGISTRY" "${tls[@]}" \
     --flavor "$FLAVOR" --from "$PROFILE_FROM" $NODE_SHAPE 2>&1); then
   echo "$said" >&2
   case "$said" in
-    *"exists already, with other values"*) echo "site init: keeping the site config as edited" ;;
+    *"exists already, with other values"*)
+      echo "site init: the site config differs from these answers: kept as it is (edit it," \
+        "or run site init --force)" ;;
     *) exit 1 ;;
   esac
 else
   echo "$said"
+fi
+if [ -z "$DISTRIBUTION" ] || [ "$DISTRIBUTION" = shared ]; then
+  # the shared folder, once, from a host that mounts it (node-local folders: a
+  # boot unit on each node, docs/admin.md)
+  "$IMGPIPE" node-config --make-cache "$SQUASHFS"
 fi
 "$IMGPIPE" config show --origin
 "$IMGPIPE" doctor || echo "doctor: the lines above say what this host lacks"
@@ -100,10 +109,6 @@ say "3. imgpipe on each compute node (as root; NODE_ROOT for a node image)"
 "$IMGPIPE" node-config --check --root "$NODE_ROOT" --site-config "$SITE_CONFIG_FILE"
 "$IMGPIPE" node-config --apply --root "$NODE_ROOT" --site-config "$SITE_CONFIG_FILE" \
     "${accept[@]}"
-if [ "$DISTRIBUTION" = shared ]; then
-  # once, from any host that mounts it (node-local folders: a boot unit, docs/admin.md)
-  "$IMGPIPE" node-config --make-cache "$SQUASHFS"
-fi
 # The profile's file must be on the node too (a copy of the login node's
 # /etc/imgpipe/profiles, or a profiles_dir every node sees).
 "$IMGPIPE" recipes profile check site \

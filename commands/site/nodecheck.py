@@ -28,6 +28,7 @@ from imgpipe.base.config import Settings
 from imgpipe.base.configlayers import SITE_CONFIG
 from imgpipe.base.errors import ConfigError
 from imgpipe.base.files import atomic_write
+from imgpipe.base.mounts import filesystem_type, is_shared_type
 from imgpipe.commands.site.nodebackup import Backup, walk_folder
 from imgpipe.enroot.nodeconfig import (
     CLEANUP_PATH,
@@ -84,6 +85,7 @@ class NodePlan:
     plugstack: str | None = None  # --plugstack: else found as slurmd finds it
     venv: Path | None = None  # --venv: the node's imgpipe; else this one (root /) or /opt/imgpipe
     accept: frozenset[str] = frozenset()
+    shared_plugstack: bool = False  # --shared-plugstack: a plugstack every node reads, known
 
 
 def _under(root: Path, path: str) -> Path:
@@ -310,6 +312,29 @@ def _plugstack(plan: NodePlan, pyxis: tuple[str, Version] | None, plugstack: str
                    "Pyxis imports as before", "importer")
 
 
+def _replace_line(text: str, old: str, new: str) -> str:
+    """``text`` with the line that is exactly ``old`` (the active Pyxis line, never a
+    commented copy of it) made ``new``."""
+    lines = text.splitlines(keepends=True)
+    for number, line in enumerate(lines):
+        if line.rstrip("\n") == old:
+            lines[number] = new + ("\n" if line.endswith("\n") else "")
+            break
+    return "".join(lines)
+
+
+def _on_shared_storage(root: Path, findings: list[Finding], accept: frozenset[str]) -> str | None:
+    """The site file a run would change that lies on a file system other hosts mount (NFS,
+    Lustre...): every node reading it changes at once."""
+    for finding in findings:
+        if finding.accept in accept and finding.accept in ("pyxis", "importer") \
+                and finding.verdict in ("missing", "differs"):
+            kind = filesystem_type(_under(root, finding.file))
+            if is_shared_type(kind):
+                return f"{finding.file} is on {kind}"
+    return None
+
+
 def _rewrite(target: Path, text: str) -> Path:
     """A site file written anew, keeping its mode, owner and group (a new one: 0644, root's)."""
     info = target.stat() if target.is_file() else None
@@ -371,6 +396,12 @@ def apply_node(settings: Settings, plan: NodePlan = NodePlan()) -> list[str]:
                           "written where slurmd does not read it does nothing",
                           hint="--plugstack FILE names the file; with configless Slurm add the "
                           "line --check shows to the controller's plugstack.conf")
+    shared = _on_shared_storage(root, checked.findings, plan.accept)
+    if shared and not plan.shared_plugstack:
+        raise ConfigError(f"refused: {shared}, which other hosts mount: changing it changes "
+                          "every node that reads it at once, before imgpipe is on each",
+                          hint="install imgpipe on every node first (node-config --apply "
+                          "without --accept), then pass --shared-plugstack")
     [link] = [f for f in checked.findings if f.file == importer_path()]
     if link.verdict == "conflict" and "importer" in plan.accept:
         why = link.diff[0].strip() if link.diff else "the importer link is not imgpipe's"
@@ -408,7 +439,7 @@ def apply_node(settings: Settings, plan: NodePlan = NodePlan()) -> list[str]:
         elif finding.accept == "importer":
             done += backup.keep(target)
             old, new = finding.diff[0][2:], finding.diff[1][2:]
-            done.append(f"wrote {_rewrite(target, target.read_text().replace(old, new, 1))}")
+            done.append(f"wrote {_rewrite(target, _replace_line(target.read_text(), old, new))}")
     kept = sorted(plan.accept & {"container_scope", "squashfuse"})
     if kept and not any(f.accept == "pyxis" and f.verdict == "missing"
                         for f in checked.findings):

@@ -86,7 +86,7 @@ def test_the_first_hour_runs_as_written_and_leaves_the_sites_files(cluster, bert
     data = work / "lustre-bert"
     owned_by(ALICE, data, data / "results")
     env = {"REGISTRY": "head:5000", "REGISTRY_CA": "", "SQUASHFS": str(work / "squashfs"),
-           "DISTRIBUTION": "shared",
+           "DISTRIBUTION": "shared", "STEPS": "1 2 3 4",
            "PARTITION": "debug", "DATA": str(data), "PROFILE_FROM": "local",
            "NODE_SHAPE": f"--cores-per-node {os.cpu_count()}", "FLAVOR": "cpu",
            "IMAGES": "", "RUNTIME": "charliecloud", "NODES": "2", "TASKS": "2",

@@ -290,3 +290,34 @@ def test_apply_and_rollback_keep_the_site_files_owner(cli, tmp_path: Path) -> No
     assert code == 0, err
     assert pyxis.read_text() == PYXIS + "\n"
     assert (pyxis.stat().st_uid, pyxis.stat().st_gid) == (0, 65534)
+
+
+def test_importer_goes_on_the_active_line_not_a_commented_copy(cli, tmp_path: Path) -> None:
+    root = tmp_path / "node"
+    _node(root)
+    pyxis = root / "etc/slurm/plugstack.conf.d/pyxis.conf"
+    pyxis.write_text(f"# old: {PYXIS}\n{PYXIS}\n")
+    code, _, err = cli("node-config", "--apply", "--root", str(root), "--accept", "importer")
+    assert code == 0, err
+    assert pyxis.read_text() == (f"# old: {PYXIS}\n"
+                                 f"{PYXIS} importer=/usr/local/bin/imgpipe-pyxis-importer\n")
+
+
+def test_a_plugstack_every_node_mounts_is_changed_only_when_said(cli, tmp_path: Path,
+                                                                 monkeypatch) -> None:
+    """/etc/slurm on NFS: one --apply would put importer= on every node's line at once,
+    before imgpipe is on them (every container job there would fail).  The mount table
+    says NFS here (the sandbox has none to offer)."""
+    import imgpipe.commands.site.nodecheck as nodecheck
+
+    root = tmp_path / "node"
+    _node(root)
+    monkeypatch.setattr(nodecheck, "filesystem_type", lambda path: "nfs4")
+    before = sums(root)
+    code, _, err = cli("node-config", "--apply", "--root", str(root), "--accept", "importer")
+    assert code == 2 and "which other hosts mount" in err and "--shared-plugstack" in err
+    assert sums(root) == before
+    code, _, err = cli("node-config", "--apply", "--root", str(root), "--accept", "importer",
+                       "--shared-plugstack")
+    assert code == 0, err
+    assert "importer=" in (root / "etc/slurm/plugstack.conf.d/pyxis.conf").read_text()
