@@ -64,7 +64,8 @@ class ServerConfig(_Strict):
 
     mode: Literal["auto", "container", "binary"] = Field(
         default="auto", description="run the registry as a registry:2 container or as Debian's "
-        "docker-registry binary; auto: the container when the engine has the image")
+        "docker-registry binary; auto: the container when the engine has the image, else the "
+        "binary when it is installed, else the image pulled by the engine")
     image: str = Field(default="registry:2", description="the container image of the registry")
     container_name: str = Field(default="imgpipe-registry",
                                 description="the registry container's name")
@@ -335,7 +336,7 @@ class EnrootConfig(_Strict):
                               "each block reaches every node before the next is sent")
     importer_path: str = Field(default="/usr/local/bin/imgpipe-pyxis-importer",
                                description="the importer on the compute nodes, as the "
-                               "recipes run it to stage images (fetch and sbcast)")
+                               "recipes run it to stage images (fetch, sbcast and broadcast)")
     pyxis_importer: bool | None = Field(
         default=None, description="whether the nodes' Pyxis line has importer= (`node-config "
         "--accept importer`; `site init --pyxis-importer`): true, the recipes pin images by "

@@ -98,7 +98,8 @@ if step 2; then
 say "2. the images (build host, in imgpipe's checkout)"
 if [ -n "$IMAGES" ]; then
   # shellcheck disable=SC2086 # IMAGES is a list
-  "$IMGPIPE" build $IMAGES --flavor "$FLAVOR" && "$IMGPIPE" push --squashfs
+  "$IMGPIPE" build $IMAGES --flavor "$FLAVOR"
+  "$IMGPIPE" push --squashfs
 fi
 fi
 

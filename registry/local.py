@@ -170,27 +170,33 @@ class LocalRegistry(ServerFiles):
         wanted = self.config.server.mode
         if wanted != "auto":
             return wanted
-        if self._image_available():
+        # The engine's own image first, then Debian's binary; a pull (Docker Hub, or the
+        # engine's mirror) only when neither is here.
+        if self._image_available(pull=False):
             return "container"
         if registry_binary() is not None:
             return "binary"
+        if self._image_available(pull=True):
+            return "container"
         raise LocalRegistryError(
             f"cannot run a registry: no {self.config.server.image} image in the Docker engine "
             "and no docker-registry binary",
             hint="apt-get install docker-registry, or load the registry:2 image into the engine",
         )
 
-    def _image_available(self) -> bool:
+    def _image_available(self, pull: bool) -> bool:
         if not self.engine.answers():
             return False
         image = self.config.server.image
         try:
             if self.engine.image_id(image) is not None:
                 return True
-            self.engine.pull(image)
-            return True
+            if pull:
+                self.engine.pull(image)
+                return True
         except EngineError:
             return False
+        return False
 
     def up(self) -> tuple[ServerState, bool]:
         """Start the registry unless it runs; returns its state and whether it was started."""

@@ -440,6 +440,9 @@ def apply_node(settings: Settings, plan: NodePlan = NodePlan()) -> list[str]:
             done += backup.keep(target)
             old, new = finding.diff[0][2:], finding.diff[1][2:]
             done.append(f"wrote {_rewrite(target, _replace_line(target.read_text(), old, new))}")
+    if "importer" in plan.accept and "pyxis" not in plan.accept and any(
+            f.accept == "pyxis" and f.verdict == "missing" for f in checked.findings):
+        done.append("importer: no Pyxis line here to add it to (--accept pyxis writes one)")
     kept = sorted(plan.accept & {"container_scope", "squashfuse"})
     if kept and not any(f.accept == "pyxis" and f.verdict == "missing"
                         for f in checked.findings):
