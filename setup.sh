@@ -20,8 +20,9 @@
 #
 #   ./setup.sh build-host [--arm64]   as root, on the build host (a CI runner, the head
 #                     node): Docker's engine, squashfs tools, git, python3-venv, and imgpipe
-#                     in .venv, nothing else; --arm64 adds qemu-user-static and its binfmt
-#                     entry (Grace images built under emulation).  Idempotent.
+#                     in .venv, nothing else; --arm64 adds qemu-user-static and
+#                     binfmt-support (entries for every architecture qemu emulates; Grace
+#                     images are built under emulation).  Idempotent.
 #   ./setup.sh node-wheels   no root, no apt: imgpipe's wheel and every wheel it needs, for
 #                     x86 nodes (dist/nodes/x86_64) and Grace nodes (dist/nodes/aarch64),
 #                     CPython ${PYTHON_VERSION:-3.11}; a node installs them with
