@@ -14,6 +14,10 @@
 #                     stop the engine and registries they need)
 #   ./setup.sh check  install, then the static checks alone: ruff, mypy, import-linter
 #   ./setup.sh        install only (this machine as the demo and the tests need it)
+#   ./setup.sh peers  Enroot 4.1.2 and Pyxis 0.24.0 alone (the modes above do it too): built
+#                     from their release sources in ../shared/peers/, else the tags' tarballs
+#                     from GitHub, each checked against its sha256 before it is built; a host
+#                     that has an Enroot or a Pyxis of its own keeps it
 #
 # A cluster's hosts (docs/admin.md) never take the modes above, which install Slurm, munge,
 # chromium, qemu and Charliecloud and turn binfmt on.  They take:
@@ -32,8 +36,9 @@ cd "$(dirname "$0")"
 
 mode=${1:-install}
 case "$mode" in
-  install|demo|test|check|build-host|node-wheels) ;;
-  *) echo "usage: $0 [install|demo|test|check|build-host [--arm64]|node-wheels]" >&2; exit 2 ;;
+  install|demo|test|check|peers|build-host|node-wheels) ;;
+  *) echo "usage: $0 [install|demo|test|check|peers|build-host [--arm64]|node-wheels]" >&2
+     exit 2 ;;
 esac
 
 # What a build host needs: the engine (BuildKit comes with it), the squashfs tools that
@@ -45,6 +50,15 @@ BUILD_HOST_PACKAGES=(
   python3 python3-venv python3-pip
 )
 EMULATION_PACKAGES=(qemu-user-static binfmt-support)  # arm64 (Grace) built under emulation
+
+# Enroot and Pyxis from source (no Debian packages): what their builds need, and what Enroot
+# runs (jq, parallel, zstd, pigz, squashfs tools, fuse-overlayfs, squashfuse). Pyxis is built
+# against Slurm's own spank.h (libslurm-dev, the same release as slurm-wlm).
+PEERS_PACKAGES=(
+  make gcc libc6-dev libbsd-dev makeself libtool autoconf automake pkg-config libslurm-dev
+  jq parallel zstd pigz squashfs-tools fuse-overlayfs squashfuse curl ca-certificates
+  slurm-wlm
+)
 
 # This machine as the demo and the tests need it: a build host, and the head node, a rack
 # host, a login node and compute nodes of a sandbox cluster on top.
@@ -62,6 +76,7 @@ PACKAGES=(
   sudo                               # the cache writer's one sudoers line (tests/e2e/test_tenants.py)
   chromium                           # headless: the report page's test
   g++ python3-dev                    # torch.compile's CPU backend (the trainer's compile test)
+  "${PEERS_PACKAGES[@]}"
 )
 
 log() { printf '[setup] %s\n' "$*" >&2; }
@@ -190,8 +205,19 @@ node_wheels() {
     "/opt/imgpipe/bin/pip install --no-index --find-links $out/\$(uname -m) imgpipe"
 }
 
+# shellcheck source=setup-peers.sh
+. ./setup-peers.sh
+
 case "$mode" in
   node-wheels) node_wheels; exit 0 ;;
+  peers)
+    if [ "$(id -u)" -ne 0 ] && [ -z "${PEERS_DESTDIR:-}" ]; then
+      echo "setup.sh peers: run it as root" >&2; exit 2
+    fi
+    if [ -z "${PEERS_SKIP_PACKAGES:-}" ]; then install_packages "${PEERS_PACKAGES[@]}"; fi
+    install_peers
+    exit 0
+    ;;
   build-host)
     if [ "$(id -u)" -ne 0 ]; then echo "setup.sh build-host: run it as root" >&2; exit 2; fi
     case "${2:-}" in
@@ -208,6 +234,7 @@ esac
 
 install_packages "${PACKAGES[@]}"
 enable_emulation
+install_peers
 make_venv
 
 case "$mode" in

@@ -24,7 +24,14 @@ from imgpipe.base.files import atomic_write
 from imgpipe.base.platforms import Platform
 from imgpipe.cli.clikit import CONTEXT, reporting, settings_of
 from imgpipe.cli.output import Result
-from imgpipe.commands.builds.sandbox import MAX_COMPUTE_NODES, Sandbox, SandboxError, SandboxSpec
+from imgpipe.commands.builds.sandbox import (
+    MAX_COMPUTE_NODES,
+    Sandbox,
+    SandboxError,
+    SandboxSpec,
+    has_pyxis,
+    registry_data,
+)
 
 DEFAULT_SUBNET = "10.213.7"
 DEFAULT_NAME = "imgp"
@@ -33,13 +40,13 @@ SHARED_FILE = "shared.json"  # a same-named sandbox of another checkout that `up
 
 def _sandbox(ctx: click.Context, nodes: int = 2, subnet: str = DEFAULT_SUBNET,
              cpus: int | None = None, name: str = DEFAULT_NAME, platforms: str = "",
-             registry_rate: str = "") -> Sandbox:
+             registry_rate: str = "", pyxis: bool = False, importer: str = "") -> Sandbox:
     settings = settings_of(ctx)
     root = settings.path(settings.outputs.state_dir) / "sandbox"
     root.mkdir(parents=True, exist_ok=True)
     return Sandbox(SandboxSpec(root=root, name=name, subnet=subnet, compute_nodes=nodes,
                                cpus=cpus or max(2, os.cpu_count() or 2), platforms=platforms,
-                               registry_rate=registry_rate))
+                               registry_rate=registry_rate, pyxis=pyxis, importer=importer))
 
 
 def _own(ctx: click.Context) -> Sandbox:
@@ -95,6 +102,11 @@ def _lines(sandbox: Sandbox, state: dict) -> list[str]:
     for host in state["hosts"]:
         role = "slurmctld" if host["name"] == "head" else nodes.get(host["name"], "?")
         lines.append(f"  {host['name']:<6} {host['address']:<14} {role}")
+    if state.get("pyxis"):
+        importer = state.get("importer") or "none (Enroot imports)"
+        lines.append(f"containers: Pyxis with Enroot on every node; importer {importer}")
+    if state.get("registry"):
+        lines.append(f"registry: {state['registry']} (the local registry's images, read-only)")
     lines.append(f"submit from the head host: imgpipe sandbox run -- sbatch ...  "
                  f"(or: export SLURM_CONF={sandbox.conf})")
     return lines
@@ -134,10 +146,26 @@ def sandbox() -> None:
 @click.option("--registry-rate", default="", metavar="RATE",
               help="Limit the head host's link (its registry's egress) to RATE, e.g. 1gbit, "
               "so that what the registry serves shows in time (tc's token bucket).")
+@click.option("--pyxis/--no-pyxis", default=None,
+              help="Load Pyxis (and so Enroot) on every compute host, through the plugstack "
+              "line node-config renders [default: when this machine has both; ./setup.sh "
+              "builds them].")
+@click.option("--importer", default="", metavar="PATH",
+              help="Pyxis's importer= on that line: imgpipe-pyxis-importer of a venv every "
+              "job user can run [default: none, Enroot imports].")
+@click.option("--serve-registry", is_flag=True,
+              help="The head host serves the local registry's images (imgpipe registry up) "
+              "read-only as head:5000, for jobs pinned to a digest.")
 @reporting
 def up_command(ctx: click.Context, nodes: int, subnet: str, cpus: int | None,
-               name: str, node_platforms: tuple[str, ...], registry_rate: str) -> Result:
+               name: str, node_platforms: tuple[str, ...], registry_rate: str,
+               pyxis: bool | None, importer: str, serve_registry: bool) -> Result:
     """Start the cluster and wait until every node is idle (kept if already up).
+
+    \b
+    A Pyxis cluster whose jobs run `srun --container-image=head:5000#REPO@DIGEST`:
+      imgpipe sandbox up --serve-registry \\
+        --importer /opt/imgpipe/bin/imgpipe-pyxis-importer
 
     \b
     A mixed cluster (x86 beside Grace), node2 an arm64 host:
@@ -153,8 +181,16 @@ def up_command(ctx: click.Context, nodes: int, subnet: str, cpus: int | None,
             raise click.BadParameter(f"{pair!r} is not NODE=OS/ARCH (node2=linux/arm64)",
                                      param_hint="--node-platform")
         Platform.parse(platform)
+    if pyxis is None:
+        pyxis = has_pyxis()
+    if importer and not (Path(importer).is_file() and os.access(importer, os.X_OK)):
+        raise click.BadParameter(f"{importer} is no program", param_hint="--importer")
+    if importer and not pyxis:
+        raise click.BadParameter("an importer needs Pyxis (drop --no-pyxis)",
+                                 param_hint="--importer")
+    storage = registry_data(settings_of(ctx)) if serve_registry else None
     cluster = _sandbox(ctx, nodes, subnet, cpus, name, ",".join(node_platforms),
-                       registry_rate)
+                       registry_rate, pyxis, str(Path(importer).absolute()) if importer else "")
     other = _use_other(ctx, cluster)
     if other is not None:
         state = {**other.status(), "started_here": False, "owner": str(other.root)}
@@ -162,7 +198,7 @@ def up_command(ctx: click.Context, nodes: int, subnet: str, cpus: int | None,
                               "using it (`imgpipe sandbox down` here leaves it running)",
                               *_lines(other, state)])
     _pointer(ctx).unlink(missing_ok=True)
-    cluster.up()
+    cluster.up(registry_storage=storage)
     state = {**cluster.status(), "started_here": True, "owner": str(cluster.root)}
     return Result(state, _lines(cluster, state))
 

@@ -290,9 +290,9 @@ def _provenance(results: Results, page_dir: Path) -> list[str]:
     jobs = results.workflow.get("jobs", [])
     if jobs:
         parts.append("<h2>Jobs</h2>" + _table(
-            ["job", "id", "state", "nodes", "elapsed", "ran in"],
+            ["job", "id", "state", "nodes", "elapsed", "runtime", "ran in"],
             [[j.get("name"), j.get("id"), j.get("state"), j.get("nodes"), j.get("elapsed"),
-              _ran_in(results, j.get("id"))] for j in jobs], "jobs"))
+              j.get("runtime", ""), _ran_in(results, j.get("id"))] for j in jobs], "jobs"))
     elif results.ran_in:
         parts.append("<h2>Jobs</h2>" + _table(
             ["job", "ran in"], [[k, v] for k, v in sorted(results.ran_in.items())], "jobs"))

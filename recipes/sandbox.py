@@ -148,7 +148,9 @@ class Sandbox:
                 plugstack=Path(plugstack) if plugstack not in (None, "None") else None,
                 platforms=str(spec.get("platforms") or ""),
                 registry_rate=str(spec.get("registry_rate") or ""),
-                node_scratch=str(spec.get("node_scratch") or "")))
+                node_scratch=str(spec.get("node_scratch") or ""),
+                pyxis=str(spec.get("pyxis")) == "True", importer=str(spec.get("importer") or ""),
+                squashfuse=str(spec.get("squashfuse", "True")) == "True"))
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -191,9 +193,9 @@ class Sandbox:
         if os.geteuid() != 0:
             raise SandboxError("making network namespaces needs root",
                                hint="run it as root (sudo imgpipe sandbox up)")
-        if self.is_up():
+        if self.is_up() and self._runs_as(registry_storage):
             return
-        self.down()  # whatever a crashed earlier run left
+        self.down()  # whatever a crashed earlier run left, or one started otherwise
         self._clear_leftovers()
         overlapping = _routes_overlapping(self.spec.network)
         if overlapping:
@@ -212,6 +214,14 @@ class Sandbox:
         except BaseException:
             self.down()
             raise
+
+    def _runs_as(self, registry_storage: Path | None) -> bool:
+        """Whether the running sandbox was started as this one would be (its spec, and a
+        registry on its head or none, as asked)."""
+        state = self._load()
+        wanted = {k: str(v) for k, v in asdict(self.spec).items()}
+        return state is not None and state.spec == wanted and \
+            ("registry" in state.pids) == (registry_storage is not None)
 
     def _clear_leftovers(self) -> None:
         """Remove the namespaces and bridge of a same-named sandbox whose run died without
@@ -291,7 +301,7 @@ class Sandbox:
 
     def _start_daemons(self, state: State, registry_storage: Path | None) -> None:
         root = self.root
-        write_boot_script(self.root, self.spec.node_scratch)
+        write_boot_script(self.root, self.spec.node_scratch, self.spec.pyxis)
         for host in self.spec.nodes:
             (root / "spool" / host.name).mkdir(parents=True, exist_ok=True)
         munge = root / "munge"
@@ -414,7 +424,9 @@ class Sandbox:
             result = self.run(["sinfo", "-h", "-N", "-o", "%N %t"], timeout=20)
             nodes = dict(line.split() for line in result.stdout.splitlines() if line.strip())
         return {"up": all(running.values()), "daemons": running, "nodes": nodes,
-                "hosts": [asdict(h) for h in self.spec.hosts], "conf": str(self.conf)}
+                "hosts": [asdict(h) for h in self.spec.hosts], "conf": str(self.conf),
+                "pyxis": self.spec.pyxis, "importer": self.spec.importer,
+                "registry": self.registry_address if "registry" in state.pids else None}
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ from imgpipe.base.platforms import (
     emulation_env,
     host_platform,
 )
+from imgpipe.recipes.sandboxpyxis import boot_lines, write_pyxis
 
 MUNGE_SOCKET = "munge/munge.socket"
 SLURMD_PORT = 6818
@@ -55,6 +56,12 @@ class SandboxSpec:
     # each compute host's /var/tmp: a tmpfs of its own (""), or FOLDER/<host> on disk, for
     # node-local files larger than memory (the fan-out bench's 6 GB squashfs on 8 hosts)
     node_scratch: str = ""
+    # Pyxis (0.24, built by ./setup.sh) on every compute host: its plugstack line as
+    # node-config renders it, with `importer` (imgpipe's importer, a path every job user can
+    # run; "" for Enroot's own import) and squashfuse (recipes.sandboxpyxis)
+    pyxis: bool = False
+    importer: str = ""
+    squashfuse: bool = True
 
     def node_platform(self, host: Host) -> Platform:
         """The platform ``host`` stands for (this machine's unless ``platforms`` says)."""
@@ -104,6 +111,9 @@ def write_config(spec: SandboxSpec, root: Path) -> Path:
             handle.write(os.urandom(1024))
     for index in range(spec.gpus):
         (root / "dev" / f"gpu{index}").touch()
+    plugstack = spec.plugstack
+    if spec.pyxis and plugstack is None:
+        plugstack = write_pyxis(root, spec.importer, spec.squashfuse)
     last = spec.compute_nodes
     gpus = f"Gres=gpu:{spec.gpus} " if spec.gpus else ""
     node_lines = [f"NodeName={h.name} NodeAddr={h.address} NodeHostname={h.name} "
@@ -151,7 +161,7 @@ def write_config(spec: SandboxSpec, root: Path) -> Path:
         "SlurmdTimeout=30",
         "KillWait=10",
         "GresTypes=gpu",
-        *([f"PlugStackConfig={spec.plugstack}"] if spec.plugstack else []),
+        *([f"PlugStackConfig={plugstack}"] if plugstack else []),
         *([f"TaskProlog={prolog}"] if prolog else []),
         *node_lines,
         f"PartitionName=debug Nodes=node[1-{last}] Default=YES MaxTime=INFINITE "
@@ -193,7 +203,7 @@ def write_platform_prolog(root: Path, emulated: dict[str, Platform]) -> Path | N
     return path
 
 
-def write_boot_script(root: Path, node_scratch: str = "") -> None:
+def write_boot_script(root: Path, node_scratch: str = "", pyxis: bool = False) -> None:
     """What each daemon runs first in its host: set the hostname, mount node-local
     scratch folders, and mount the cgroup
     hierarchies as the root namespace has them (`ip netns exec` mounts a fresh /sys
@@ -217,6 +227,7 @@ def write_boot_script(root: Path, node_scratch: str = "") -> None:
                   f'mkdir -p "{node_scratch}/$(hostname)"',
                   f'chmod 1777 "{node_scratch}/$(hostname)"',
                   f'mount --bind "{node_scratch}/$(hostname)" /var/tmp']),
+              *(boot_lines(root) if pyxis else []),
               f'if [ -f "{cpuinfo}$(hostname)" ]; then',
               f'  mount --bind "{cpuinfo}$(hostname)" /proc/cpuinfo',
               "fi",

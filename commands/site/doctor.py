@@ -90,12 +90,15 @@ def check_enroot(settings: Settings) -> Check:
         return Check("enroot", "warn", f"Enroot {shown} ({learnt}) rejects @sha256 digest "
                      "references", "pin squashfs files: imgpipe push --convert (recipes "
                      "render then pins the file), or upgrade Enroot to 4.0", required=False)
-    return Check("enroot", "ok", f"Enroot {shown} ({learnt}): digest references work",
+    where = shutil.which("enroot") if learnt.startswith("the enroot") else None
+    return Check("enroot", "ok", f"Enroot {shown} ({where or learnt}): digest references work",
                  required=False)
 
 
-def check_pyxis(version: tuple[int, int, int] | None = None) -> Check:
-    shown = f"Pyxis {'.'.join(map(str, version))}, " if version else ""
+def check_pyxis(detected: tuple[str, tuple[int, int, int]] | None = None) -> Check:
+    """Which Pyxis this host has (the plugin's own version mark) and whether a plugstack
+    loads it."""
+    shown = f"Pyxis {'.'.join(map(str, detected[1]))} ({detected[0]}), " if detected else ""
     for place in PLUGSTACK_PLACES:
         files = sorted(place.glob("*")) if place.is_dir() else [place]
         for file in files:
@@ -104,9 +107,13 @@ def check_pyxis(version: tuple[int, int, int] | None = None) -> Check:
                     return Check("pyxis", "ok", f"{shown}enabled in {file}", required=False)
             except OSError:
                 continue
-    return Check("pyxis", "warn", "no spank_pyxis.so in plugstack.conf",
-                 "install Pyxis on the compute nodes (https://github.com/NVIDIA/pyxis); "
-                 "recipes can still run with --runtime host", required=False)
+    if detected:
+        return Check("pyxis", "warn", f"{shown}in no plugstack.conf",
+                     "imgpipe node-config --check shows the line slurmd needs", required=False)
+    return Check("pyxis", "warn", "no spank_pyxis.so here",
+                 "install Pyxis on the compute nodes (https://github.com/NVIDIA/pyxis; "
+                 "./setup.sh peers builds 0.24.0); recipes can still run with --runtime "
+                 "charliecloud or host", required=False)
 
 
 def check_squashfuse_mode(pyxis_version: tuple[int, int, int] | None,
@@ -233,7 +240,7 @@ def run_checks(settings: Settings) -> list[Check]:
     from imgpipe.enroot.nodeconfig import detect_pyxis
 
     detected = detect_pyxis()
-    checks.append(check_pyxis(detected[1] if detected else None))
+    checks.append(check_pyxis(detected))
     checks.extend(check_squashfuse_mode(detected[1] if detected else None))
     checks.append(check_disk(settings))
     checks.append(check_cache(settings))

@@ -52,7 +52,8 @@ def test_each_job_script_records_its_image_where_the_report_reads_it(tmp_path: P
     parser = _Tables()
     parser.feed(Path(made["report"]).read_text())
     jobs = parser.tables["jobs"]
-    assert jobs[0] == ["job", "id", "state", "nodes", "elapsed", "ran in"]
+    assert jobs[0] == ["job", "id", "state", "nodes", "elapsed", "runtime", "ran in"]
+    assert {row[5] for row in jobs[1:]} == {"pyxis"}  # the runtime each job ran under
     assert [(row[0], row[-1]) for row in jobs[1:]] == [(label, DIGEST) for *_, label in JOBS]
     assert made["summary"]["ran_in"] == {f"{name}-{job_id}": DIGEST
                                          for _, name, job_id, _ in JOBS}

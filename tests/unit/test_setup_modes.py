@@ -11,7 +11,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_ONLY = ("slurm-wlm", "munge", "chromium", "qemu-user-static", "binfmt-support",
-             "charliecloud-runtime", "docker-registry", "nginx-light", "debootstrap", "sudo")
+             "charliecloud-runtime", "docker-registry", "nginx-light", "debootstrap", "sudo",
+             "libslurm-dev", "libbsd-dev", "makeself")  # the last three build Enroot and Pyxis
 RECORDER = '#!/bin/sh\necho "$(basename "$0") $*" >> "$CALLS"\n'
 
 
@@ -19,6 +20,7 @@ def _run_setup(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[
     checkout = tmp_path / "checkout"
     (checkout / "images" / "bert" / "trainer").mkdir(parents=True)
     shutil.copy(ROOT / "setup.sh", checkout / "setup.sh")
+    shutil.copy(ROOT / "setup-peers.sh", checkout / "setup-peers.sh")
     shutil.copy(ROOT / "pyproject.toml", checkout / "pyproject.toml")
     (checkout / "images" / "bert" / "trainer" / "pyproject.toml").write_text("")
     venv = checkout / ".venv"

@@ -1,0 +1,93 @@
+"""The sandbox as a Pyxis cluster: each compute host's slurmd loads the Pyxis plugin built by
+``./setup.sh`` (Pyxis 0.24, Enroot 4.1.2) through a plugstack line that imgpipe's own
+``node-config`` renders for a site (``imgpipe.enroot.nodeconfig.render``), with the options
+an admin takes by ``--accept``: imgpipe's importer (when the sandbox names one), job scope
+(Enroot is on the PATH Pyxis's cleanup uses) and squashfuse.
+
+Enroot's configuration is the machine's ``/etc/enroot/enroot.conf`` with each host's own
+folders: every compute host sees the sandbox's ``enroot.conf`` in its place (a bind mount
+in the host's own mount namespace), whose paths lie on the host's private ``/var/tmp``.
+Pyxis's runtime folder (``/run/pyxis``) is a tmpfs of each host's, and ``/dev/fuse`` is
+usable by every job user inside the compute hosts only (a 0666 node bound over it), as on
+a cluster's nodes; the machine's own ``/dev/fuse`` stays as it is.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from pathlib import Path
+
+from imgpipe.base.config import Settings
+from imgpipe.enroot.nodeconfig import (
+    PYXIS_SO_CANDIDATES,
+    detect_enroot,
+    detect_pyxis,
+    render,
+)
+from imgpipe.recipes.errors import SandboxError
+
+__all__ = ["ENROOT_CONF", "PYXIS_RUNTIME", "boot_lines", "write_pyxis"]
+
+ENROOT_CONF = "/etc/enroot/enroot.conf"
+PYXIS_RUNTIME = "/run/pyxis"
+ENROOT_VERSION = (4, 1, 2)
+SETUP_HINT = "./setup.sh peers builds Enroot 4.1.2 and Pyxis 0.24.0 (as root)"
+# Each host's own folders (its /var/tmp is private); a plain-http registry on the head.
+SANDBOX_ENROOT_CONF = """\
+# The sandbox's Enroot settings, bound over /etc/enroot/enroot.conf on each compute host.
+ENROOT_RUNTIME_PATH /var/tmp/enroot/runtime/user-$(id -u)
+ENROOT_CACHE_PATH   /var/tmp/enroot/cache/user-$(id -u)
+ENROOT_DATA_PATH    /var/tmp/enroot/data/user-$(id -u)
+ENROOT_TEMP_PATH    /var/tmp
+ENROOT_ALLOW_HTTP   yes
+ENROOT_MAX_PROCESSORS 2
+"""
+
+
+def write_pyxis(root: Path, importer: str, squashfuse: bool = True) -> Path:
+    """The plugstack.conf (Pyxis's line as ``node-config`` renders it, every option
+    accepted) and enroot.conf of the sandbox in ``root``; the plugstack's path.  One line
+    naming ``./setup.sh peers`` when this machine has no Pyxis or no Enroot."""
+    found = detect_pyxis()
+    if found is None:
+        raise SandboxError(f"no Pyxis plugin (looked in {', '.join(PYXIS_SO_CANDIDATES)})",
+                           hint=SETUP_HINT)
+    enroot = shutil.which("enroot")
+    version = detect_enroot(enroot) if enroot else None
+    if version is None:
+        raise SandboxError("no enroot on this PATH", hint=SETUP_HINT)
+    plugin, pyxis_version = found
+    accept = {"container_scope", *(("squashfuse",) if squashfuse else ())}
+    if importer:
+        accept.add("importer")
+    config = render(Settings(), importer or "/nonexistent", pyxis_version, plugin, enroot,
+                    squashfuse=squashfuse, accept=frozenset(accept))
+    [line] = [c.line for c in config.changes if c.line.startswith("required ")]
+    plugstack = root / "plugstack.conf"
+    plugstack.write_text(f"# Pyxis {'.'.join(map(str, pyxis_version))}, the line imgpipe "
+                         f"node-config renders (accepted: {', '.join(sorted(accept))})\n"
+                         f"{line}\n")
+    (root / "enroot.conf").write_text(SANDBOX_ENROOT_CONF)
+    fuse = root / "dev" / "fuse"
+    if not fuse.exists():
+        os.mknod(fuse, 0o666 | stat.S_IFCHR, os.makedev(10, 229))
+    os.chmod(fuse, 0o666)
+    for path in (plugstack, root / "enroot.conf"):
+        os.chmod(path, 0o644)
+    return plugstack
+
+
+def boot_lines(root: Path) -> list[str]:
+    """What a compute host's boot script does for Pyxis: its own Enroot settings, Pyxis
+    runtime folder and a /dev/fuse every user may open."""
+    return [f'if [ -f "{root}/enroot.conf" ] && [ -f {ENROOT_CONF} ]; then',
+            f'  mount --bind "{root}/enroot.conf" {ENROOT_CONF}',
+            "fi",
+            f"if [ -d {PYXIS_RUNTIME} ] || mkdir -p {PYXIS_RUNTIME}; then",
+            f"  mount -t tmpfs -o mode=755 tmpfs {PYXIS_RUNTIME}",
+            "fi",
+            f'if [ -c "{root}/dev/fuse" ]; then',
+            f'  mount --bind "{root}/dev/fuse" /dev/fuse',
+            "fi"]
