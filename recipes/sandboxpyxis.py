@@ -85,6 +85,11 @@ def boot_lines(root: Path) -> list[str]:
     return [f'if [ -f "{root}/enroot.conf" ] && [ -f {ENROOT_CONF} ]; then',
             f'  mount --bind "{root}/enroot.conf" {ENROOT_CONF}',
             "fi",
+            # Enroot's folders per user under each host's own /var/tmp (a tmpfs mounted
+            # just before): their parents made here, for every user, as a node's boot does
+            "mkdir -p -m 1777 /var/tmp/enroot/runtime /var/tmp/enroot/cache "
+            "/var/tmp/enroot/data",
+            "chmod 0755 /var/tmp/enroot",
             f"if [ -d {PYXIS_RUNTIME} ] || mkdir -p {PYXIS_RUNTIME}; then",
             f"  mount -t tmpfs -o mode=755 tmpfs {PYXIS_RUNTIME}",
             "fi",

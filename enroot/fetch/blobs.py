@@ -82,6 +82,12 @@ def fetch_blob_cached(client: RegistryClient, storage: Storage, repository: str,
             return path, path.stat().st_size
         except DigestMismatchError:
             raise
+        except PermissionError:
+            # Another user's job landed the same blob first: in the cache's sticky folder the
+            # rename onto their file is refused.  Theirs is as good (hashed where it is used).
+            if path.is_file() and os.access(path, os.R_OK):
+                return path, 0
+            raise
         except RegistryError:
             if attempt == ATTEMPTS or path.exists():
                 if path.exists():
