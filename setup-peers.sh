@@ -104,6 +104,12 @@ build_enroot() {
     DESTDIR="${PEERS_DESTDIR:-/}" prefix="$ENROOT_PREFIX" sysconfdir="$ENROOT_SYSCONFDIR" \
     install >build/peers/enroot-build.log 2>&1 \
     || peers_fail "Enroot $ENROOT_VERSION did not build: see build/peers/enroot-build.log"
+  # What Enroot's own `make setcap` (its +caps package) gives: `enroot import` by users.
+  local bin="${PEERS_DESTDIR:-}$ENROOT_PREFIX/bin"
+  if ! setcap cap_sys_admin+pe "$bin/enroot-mksquashovlfs" \
+      || ! setcap cap_sys_admin,cap_mknod+pe "$bin/enroot-aufs2ovlfs"; then
+    peers_fail "setcap on Enroot's helpers failed (apt-get install libcap2-bin)"
+  fi
 }
 
 build_pyxis() {

@@ -57,7 +57,7 @@ EMULATION_PACKAGES=(qemu-user-static binfmt-support)  # arm64 (Grace) built unde
 PEERS_PACKAGES=(
   make gcc libc6-dev libbsd-dev makeself libtool autoconf automake pkg-config libslurm-dev
   jq parallel zstd pigz squashfs-tools fuse-overlayfs squashfuse curl ca-certificates
-  slurm-wlm
+  libcap2-bin slurm-wlm
 )
 
 # This machine as the demo and the tests need it: a build host, and the head node, a rack

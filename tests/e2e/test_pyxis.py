@@ -11,6 +11,7 @@ registry's access log, the container's root mount and Pyxis's own lines.
 
 from __future__ import annotations
 
+import hashlib
 import pwd
 import re
 import subprocess
@@ -241,3 +242,64 @@ def _pin_size(cluster, hello: dict) -> int:
     done = cluster.run(["srun", "-N1", "-w", "node1", "/bin/sh", "-c",
                         f"stat -c %s {NODE_CACHE}/pyxis+hello+*.sqsh"], user=ALICE, cwd="/tmp")
     return int(done.stdout.split()[0])
+
+
+# What Enroot's import writes itself, which imgpipe's converter writes its own way: /etc/rc and
+# /etc/rc.local (Enroot's wording and its 0644; imgpipe's 0755, labels as `key=value`), and
+# imgpipe's empty /etc/hosts (a mount point Enroot's hooks bind the node's file onto).
+ENROOT_OWN = {"/etc/rc", "/etc/rc.local", "/etc/hosts"}
+
+
+def _tree(squashfs: Path, into: Path) -> dict[str, tuple[str, ...]]:
+    """Every entry of ``squashfs``: path -> (type and mode, owner, link target or content
+    hash); folders without their size, which depends on the squashfs's own index."""
+    subprocess.run(["unsquashfs", "-no-xattrs", "-q", "-d", str(into), str(squashfs)],
+                   check=True, capture_output=True, timeout=300)
+    listed = subprocess.run(["unsquashfs", "-lln", str(squashfs)], capture_output=True,
+                            text=True, check=True, timeout=120).stdout
+    tree: dict[str, tuple[str, ...]] = {}
+    for line in listed.splitlines():
+        fields = line.split(None, 5)
+        if len(fields) < 6 or not fields[5].startswith("squashfs-root"):
+            continue
+        path = fields[5][len("squashfs-root"):].split(" -> ")[0] or "/"
+        kind = fields[0]
+        if kind.startswith("-"):
+            content = hashlib.sha256((into / path.lstrip("/")).read_bytes()).hexdigest()
+        elif kind.startswith("l"):
+            content = fields[5].split(" -> ", 1)[1]
+        else:
+            content = ""
+        tree[path] = (kind, fields[1], content)
+    return tree
+
+
+def test_the_converters_file_is_enroots_tree_and_both_start_with_enroot(
+        pyxis_cluster, hello: dict) -> None:
+    """`enroot import` of the image, by a user on a node (Enroot's own import: its layers,
+    whiteouts, permissions and mksquashfs), beside the squashfs imgpipe's converter made of
+    the same digest: the same tree but for what Enroot writes itself (ENROOT_OWN); each
+    starts with `enroot start` as that user."""
+    squashfs, config = node_cache("imgpipe-pyxis-enroot-")
+    got = _srun(pyxis_cluster, ALICE, config, hello["uri"], "true", "-N1", "-w", "node2")
+    assert got.returncode == 0, got.stderr
+    [ours] = _entries(squashfs, hello["digest"])
+    folder = shared_folder("imgpipe-pyxis-import-")
+    owned_by(ALICE, folder / "out")
+    theirs = folder / "out" / "enroot.sqsh"
+    imported = pyxis_cluster.run(
+        ["srun", "-N1", "-w", "node1", "enroot", "import", "-o", str(theirs),
+         f"docker://{hello['uri']}"], user=ALICE, timeout=600, cwd="/tmp")
+    assert imported.returncode == 0, imported.stdout[-2000:] + imported.stderr[-2000:]
+    ours_tree = _tree(ours, folder / "ours")
+    theirs_tree = _tree(theirs, folder / "theirs")
+    differ = {path for path in ours_tree.keys() | theirs_tree.keys()
+              if ours_tree.get(path) != theirs_tree.get(path)}
+    assert differ == ENROOT_OWN, sorted(differ)[:20]
+    assert len(ours_tree) > 1000  # a whole Debian tree, not an empty one
+    for name, path in (("imgpipe", ours), ("enroot", theirs)):
+        started = pyxis_cluster.run(
+            ["srun", "-N1", "-w", "node1", "enroot", "start", str(path), "/bin/sh", "-c",
+             f"echo {name}: $(cat /hello.txt)"], user=ALICE, timeout=300, cwd="/tmp")
+        assert started.returncode == 0, started.stderr
+        assert f"{name}: hello from CI" in started.stdout, started.stdout

@@ -109,6 +109,9 @@ def test_the_tags_tarballs_from_github_build_the_same_versions(
                                   "ENROOT_CACHE_PATH": str(tmp_path),
                                   "ENROOT_DATA_PATH": str(tmp_path)})
     assert version.stdout.strip() == "4.1.2", version.stderr
+    caps = subprocess.run(["/usr/sbin/getcap", str(enroot) + "-aufs2ovlfs"],
+                          capture_output=True, text=True).stdout
+    assert "cap_sys_admin,cap_mknod=ep" in caps  # users' `enroot import`, as Enroot's +caps
     plugin = (root / "usr/local/lib/slurm/spank_pyxis.so").read_bytes()
     assert plugin.startswith(b"\x7fELF") and b"0.24.0" in plugin
     again = _peers(tmp_path, url, tmp_path / "no-peers")  # idempotent: nothing built again
