@@ -31,6 +31,7 @@ from imgpipe.commands.builds.sandbox import (
     SandboxSpec,
     has_pyxis,
     registry_data,
+    with_pyxis,
 )
 
 DEFAULT_SUBNET = "10.213.7"
@@ -44,9 +45,10 @@ def _sandbox(ctx: click.Context, nodes: int = 2, subnet: str = DEFAULT_SUBNET,
     settings = settings_of(ctx)
     root = settings.path(settings.outputs.state_dir) / "sandbox"
     root.mkdir(parents=True, exist_ok=True)
-    return Sandbox(SandboxSpec(root=root, name=name, subnet=subnet, compute_nodes=nodes,
-                               cpus=cpus or max(2, os.cpu_count() or 2), platforms=platforms,
-                               registry_rate=registry_rate, pyxis=pyxis, importer=importer))
+    spec = SandboxSpec(root=root, name=name, subnet=subnet, compute_nodes=nodes,
+                       cpus=cpus or max(2, os.cpu_count() or 2), platforms=platforms,
+                       registry_rate=registry_rate)
+    return Sandbox(with_pyxis(spec, importer) if pyxis else spec)
 
 
 def _own(ctx: click.Context) -> Sandbox:

@@ -150,7 +150,8 @@ class Sandbox:
                 registry_rate=str(spec.get("registry_rate") or ""),
                 node_scratch=str(spec.get("node_scratch") or ""),
                 pyxis=str(spec.get("pyxis")) == "True", importer=str(spec.get("importer") or ""),
-                squashfuse=str(spec.get("squashfuse", "True")) == "True"))
+                squashfuse=str(spec.get("squashfuse", "True")) == "True",
+                pyxis_line=str(spec.get("pyxis_line") or "")))
         except (OSError, ValueError, KeyError, TypeError):
             return None
 

@@ -62,6 +62,7 @@ class SandboxSpec:
     pyxis: bool = False
     importer: str = ""
     squashfuse: bool = True
+    pyxis_line: str = ""  # the plugstack line itself (rendered by with_pyxis)
 
     def node_platform(self, host: Host) -> Platform:
         """The platform ``host`` stands for (this machine's unless ``platforms`` says)."""
@@ -113,7 +114,7 @@ def write_config(spec: SandboxSpec, root: Path) -> Path:
         (root / "dev" / f"gpu{index}").touch()
     plugstack = spec.plugstack
     if spec.pyxis and plugstack is None:
-        plugstack = write_pyxis(root, spec.importer, spec.squashfuse)
+        plugstack = write_pyxis(root, spec.pyxis_line)
     last = spec.compute_nodes
     gpus = f"Gres=gpu:{spec.gpus} " if spec.gpus else ""
     node_lines = [f"NodeName={h.name} NodeAddr={h.address} NodeHostname={h.name} "

@@ -1,8 +1,9 @@
 """The sandbox as a Pyxis cluster: each compute host's slurmd loads the Pyxis plugin built by
 ``./setup.sh`` (Pyxis 0.24, Enroot 4.1.2) through a plugstack line that imgpipe's own
-``node-config`` renders for a site (``imgpipe.enroot.nodeconfig.render``), with the options
-an admin takes by ``--accept``: imgpipe's importer (when the sandbox names one), job scope
-(Enroot is on the PATH Pyxis's cleanup uses) and squashfuse.
+``node-config`` renders for a site, with the options an admin takes by ``--accept``:
+imgpipe's importer (when the sandbox names one), job scope (Enroot is on the PATH Pyxis's
+cleanup uses) and squashfuse.  The line comes in the spec (``pyxis_line``:
+``commands.builds.sandbox.with_pyxis`` renders it); this module writes the files.
 
 Enroot's configuration is the machine's ``/etc/enroot/enroot.conf`` with each host's own
 folders: every compute host sees the sandbox's ``enroot.conf`` in its place (a bind mount
@@ -15,25 +16,15 @@ a cluster's nodes; the machine's own ``/dev/fuse`` stays as it is.
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 from pathlib import Path
 
-from imgpipe.base.config import Settings
-from imgpipe.enroot.nodeconfig import (
-    PYXIS_SO_CANDIDATES,
-    detect_enroot,
-    detect_pyxis,
-    render,
-)
 from imgpipe.recipes.errors import SandboxError
 
 __all__ = ["ENROOT_CONF", "PYXIS_RUNTIME", "boot_lines", "write_pyxis"]
 
 ENROOT_CONF = "/etc/enroot/enroot.conf"
 PYXIS_RUNTIME = "/run/pyxis"
-ENROOT_VERSION = (4, 1, 2)
-SETUP_HINT = "./setup.sh peers builds Enroot 4.1.2 and Pyxis 0.24.0 (as root)"
 # Each host's own folders (its /var/tmp is private); a plain-http registry on the head.
 SANDBOX_ENROOT_CONF = """\
 # The sandbox's Enroot settings, bound over /etc/enroot/enroot.conf on each compute host.
@@ -46,29 +37,15 @@ ENROOT_MAX_PROCESSORS 2
 """
 
 
-def write_pyxis(root: Path, importer: str, squashfuse: bool = True) -> Path:
-    """The plugstack.conf (Pyxis's line as ``node-config`` renders it, every option
-    accepted) and enroot.conf of the sandbox in ``root``; the plugstack's path.  One line
-    naming ``./setup.sh peers`` when this machine has no Pyxis or no Enroot."""
-    found = detect_pyxis()
-    if found is None:
-        raise SandboxError(f"no Pyxis plugin (looked in {', '.join(PYXIS_SO_CANDIDATES)})",
-                           hint=SETUP_HINT)
-    enroot = shutil.which("enroot")
-    version = detect_enroot(enroot) if enroot else None
-    if version is None:
-        raise SandboxError("no enroot on this PATH", hint=SETUP_HINT)
-    plugin, pyxis_version = found
-    accept = {"container_scope", *(("squashfuse",) if squashfuse else ())}
-    if importer:
-        accept.add("importer")
-    config = render(Settings(), importer or "/nonexistent", pyxis_version, plugin, enroot,
-                    squashfuse=squashfuse, accept=frozenset(accept))
-    [line] = [c.line for c in config.changes if c.line.startswith("required ")]
+def write_pyxis(root: Path, line: str) -> Path:
+    """The plugstack.conf holding Pyxis's ``line`` (as ``node-config`` renders it for a site:
+    ``commands.builds.sandbox.with_pyxis``) and the enroot.conf of the sandbox in ``root``;
+    the plugstack's path."""
+    if not line.startswith("required "):
+        raise SandboxError("the sandbox has no Pyxis line to load",
+                           hint="make its spec with commands.builds.sandbox.with_pyxis")
     plugstack = root / "plugstack.conf"
-    plugstack.write_text(f"# Pyxis {'.'.join(map(str, pyxis_version))}, the line imgpipe "
-                         f"node-config renders (accepted: {', '.join(sorted(accept))})\n"
-                         f"{line}\n")
+    plugstack.write_text(f"# Pyxis, the line imgpipe node-config renders\n{line}\n")
     (root / "enroot.conf").write_text(SANDBOX_ENROOT_CONF)
     fuse = root / "dev" / "fuse"
     if not fuse.exists():

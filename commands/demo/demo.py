@@ -7,16 +7,21 @@ What a team does on a cluster, with the commands a user types, on a local sandbo
 2. ``imgpipe sandbox up`` (a head host and two compute hosts);
 3. a corpus of English prose from /usr/share/doc and common-licenses, a WordPiece vocabulary
    (``train-vocab``) and a small BERT config;
-4. ``imgpipe recipes render --profile local --nodes 2 --runtime charliecloud``, pinned to
-   the squashfs;
-5. ``sbatch dataset.sub``, then ``source config_… && sbatch run.sub`` for phase 1 and
-   phase 2, then ``sbatch nccl.sub`` (BENCH=pytorch: nccl-tests needs CUDA), every job in
-   containers on both compute hosts, watched live (state, step, loss);
+4. ``imgpipe recipes render --profile local --nodes 2 --runtime pyxis``, pinned to the
+   pushed digest (``head:5000#imgpipe/bert@sha256:…``); the sandbox's compute hosts load
+   Pyxis 0.24 and Enroot 4.1.2 (built by ``./setup.sh``) with imgpipe's importer, and the
+   head serves the local registry (``commands/demo/demopyxis.py``);
+5. as a regular user (``imgpipe-demo``): ``sbatch dataset.sub``, then ``source config_… &&
+   sbatch run.sub`` for phase 1 and phase 2, then ``sbatch nccl.sub`` (BENCH=pytorch:
+   nccl-tests needs CUDA), every job in containers through ``srun --container-image`` on
+   both compute hosts, watched live (state, step, loss);
 6. ``imgpipe report RESULTS`` and a summary.
 
 Idempotent: a second run builds nothing new (BuildKit's cache), self-tests only a new
 image, converts nothing (the squashfs is kept per digest), and skips the dataset and the
 training phases whose outputs are complete.  ``--down`` stops the sandbox and the registry.
+``--runtime charliecloud`` runs the same jobs with ``ch-run`` on the squashfs file instead,
+as root.
 """
 
 from __future__ import annotations
@@ -29,12 +34,14 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from imgpipe.base import process
+from imgpipe.commands.demo import demopyxis
 from imgpipe.commands.demo.democorpus import LICENSES
+from imgpipe.commands.demo.demojobs import JOB_NAMES, Job, print_summary, pyxis_lines
 from imgpipe.recipes.sandbox import Sandbox, SandboxSpec
 
 ROOT = Path.cwd()
@@ -50,8 +57,6 @@ STEPS = {1: 900, 2: 300}
 PHASE_OVERRIDES = {1: "LR=0.01 WARMUP_PROPORTION=0.05", 2: "BATCHSIZE=4 LR=0.006 EXPORT=hf"}
 CORPUS_MB = 0.3
 VOCAB_WORDS = 2000
-JOB_NAMES = {"dataset.sub": "bert-dataset", "run.sub": "bert-pretrain",
-             "nccl.sub": "nccl-check"}
 
 
 def say(text: str) -> None:
@@ -171,20 +176,6 @@ def inputs(work: Path) -> tuple[Path, Path, Path]:
     return corpus, vocab, config
 
 
-@dataclass
-class Job:
-    script: str
-    label: str
-    id: str = ""
-    state: str = "PENDING"
-    nodes: str = ""
-    elapsed: str = ""
-    step: int | None = None
-    loss: float | None = None
-    skipped: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
 def job_info(cluster: Sandbox, job: Job) -> None:
     shown = cluster.run(["scontrol", "show", "job", job.id, "-o"], timeout=20).stdout
     fields = dict(f.split("=", 1) for f in shown.split() if "=" in f)
@@ -218,10 +209,11 @@ def show(jobs: list[Job]) -> str:
 
 def submit_and_wait(cluster: Sandbox, recipes: Path, jobs_dir: Path, job: Job, all_jobs:
                     list[Job], results: Path, command: str, phase: int | None,
-                    said: list[str]) -> None:
-    """Submit ``command``, then watch until ``job`` ends; ``said`` holds the last status
-    line printed (across jobs), so a log gets a line only when something changed."""
-    done = cluster.run(["bash", "-c", command], timeout=60, cwd=jobs_dir)
+                    said: list[str], user: str | None = None) -> None:
+    """Submit ``command`` (as ``user``), then watch until ``job`` ends; ``said`` holds the
+    last status line printed (across jobs), so a log gets a line only when something
+    changed."""
+    done = cluster.run(["bash", "-c", command], timeout=60, cwd=jobs_dir, user=user)
     if done.returncode:
         raise SystemExit(f"error: {command} failed: {done.stderr.strip()}")
     job.id = done.stdout.strip().split(";")[0]
@@ -251,6 +243,108 @@ def submit_and_wait(cluster: Sandbox, recipes: Path, jobs_dir: Path, job: Job, a
         raise SystemExit(f"error: {job.label} ended {job.state}; its log {log}:\n{tail}")
 
 
+@dataclass
+class Setting:
+    """Where the demo's jobs run: the cluster, the recipes, who submits, what they export."""
+
+    cluster: Sandbox
+    recipes: Path
+    configs: dict[int, Path]
+    runtime: str
+    user: str | None
+    env: str
+    image: str  # what the recipes pin: the pushed digest (Pyxis) or the squashfs file
+
+
+def start_cluster(args: argparse.Namespace, spec: SandboxSpec, converted: dict[str, Any],
+                  shared: list[str], folders: dict[str, str]) -> Setting:
+    """The sandbox (a Pyxis cluster whose head serves the local registry, or Charliecloud's
+    as root) and the recipes rendered for it."""
+    work, squashfs = WORK, Path(converted["squashfs"])
+    spec.root.mkdir(parents=True, exist_ok=True)
+    left = Sandbox.saved(spec.root)
+    if left is not None and left.spec.platforms and left.is_up():
+        say("the sandbox this checkout left up has an emulated node (demo --platforms): "
+            "stopping it")
+        imgpipe("sandbox", "down")
+    up_args = ["sandbox", "up", "--nodes", "2"]
+    user: str | None = None
+    extra_env: list[str] = []
+    image = str(squashfs)
+    if args.runtime == "pyxis":
+        account = demopyxis.ensure_user()
+        user = account.pw_name
+        bin_dir = demopyxis.node_venv(ROOT, ROOT / "build" / "state" / "node-venv")
+        node_config = demopyxis.node_config(work, bin_dir / "imgpipe", squashfs.parent)
+        up_args += ["--pyxis", "--serve-registry", "--importer",
+                    str(bin_dir / "imgpipe-pyxis-importer")]
+        repository = str(converted["reference"]).split("@")[0].split("/", 1)[1]
+        image = f"head:5000/{repository}@{converted['digest']}"
+        extra_env = ["--env", f"IMGPIPE_CONFIG={node_config}"]
+        demopyxis.hand_over(account, *(Path(folders[k]) for k in
+                                       ("data_dir", "checkpoint_dir", "results_dir")),
+                            work / "jobs")
+    sandbox_up = imgpipe(*up_args, capture=True)
+    cluster = Sandbox.saved(Path(sandbox_up["owner"])) or Sandbox(spec)
+    if not sandbox_up["started_here"]:
+        shared.append(f"the sandbox {cluster.spec.name!r} ({cluster.root})")
+    if shared:
+        say(f"using {' and '.join(shared)}, started from another checkout: this demo "
+            "leaves them running")
+    recipes = work / "recipes"
+    configs = render_recipes(work, recipes, folders, image, args.runtime, extra_env)
+    if user is not None:
+        demopyxis.readable(recipes, *(Path(folders[k]) for k in
+                                      ("dataset_source", "vocab", "bert_config")))
+    # Four ranks share this machine's cores: one thread each (a node would set its own).
+    # LOG_FREQ=10: each logged loss is the mean of 10 steps (a 16-sequence step's loss alone
+    # varies by +-0.5), so the first and final losses compare means, as NVIDIA's recipe logs.
+    env = ("export USER=${USER:-root} CHECKPOINT_EVERY=50 LOG_FREQ=10 OMP_NUM_THREADS=1 "
+           "PATH=/usr/local/bin:/usr/bin:/bin")
+    return Setting(cluster, recipes, configs, args.runtime, user, env, image)
+
+
+def run_jobs(setting: Setting, state: dict[str, Any], work: Path, corpus: Path) -> list[Job]:
+    """The dataset, both phases and the NCCL check, each skipped when an earlier run left
+    its complete output."""
+    data, ckpt, results, jobs_dir = (work / "data", work / "checkpoints", work / "results",
+                                     work / "jobs")
+    cluster, recipes, env, user = setting.cluster, setting.recipes, setting.env, setting.user
+    jobs = [Job("dataset.sub", "dataset"), Job("run.sub", "phase 1"),
+            Job("run.sub", "phase 2"), Job("nccl.sub", "nccl")]
+    for job in jobs:
+        job.runtime = setting.runtime
+    previous = {j["label"]: j for j in state.get("jobs", [])}
+    said: list[str] = []  # the last job status line printed
+    # 1. the dataset, unless a complete one is there
+    if (data / "summary.json").exists() and "dataset" in previous:
+        jobs[0].__dict__.update({**previous["dataset"], "skipped": True})
+        say("dataset: prepared before (data/summary.json), skipped")
+    else:
+        submit_and_wait(cluster, recipes, jobs_dir, jobs[0], jobs, results,
+                        f"{env} && sbatch --parsable -N2 --ntasks-per-node=1 "
+                        f"{recipes}/dataset.sub", None, said, user)
+    # 2. both phases
+    for phase, job in ((1, jobs[1]), (2, jobs[2])):
+        final = ckpt / f"phase{phase}" / f"ckpt_{STEPS[phase]}.pt"
+        if final.exists() and job.label in previous:
+            job.__dict__.update({**previous[job.label], "skipped": True})
+            say(f"{job.label}: trained before ({final.name}), skipped")
+            continue
+        submit_and_wait(cluster, recipes, jobs_dir, job, jobs, results,
+                        f"{env} && source {setting.configs[phase]} && export "
+                        f"MAX_STEPS={STEPS[phase]} {PHASE_OVERRIDES[phase]} "
+                        f"&& sbatch --parsable -N$DGXNNODES "
+                        f"--ntasks-per-node=$DGXNGPU {recipes}/run.sub", phase, said, user)
+        job.step, job.loss = last_step(results, phase)
+    fill_mask(results, corpus)
+    # 3. the NCCL check (bus bandwidth with PyTorch's all-reduce: nccl-tests needs CUDA)
+    submit_and_wait(cluster, recipes, jobs_dir, jobs[3], jobs, results,
+                    f"{env} && sbatch --parsable -N2 --ntasks-per-node=2 {recipes}/nccl.sub",
+                    None, said, user)
+    return jobs
+
+
 def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     spec = SandboxSpec(root=ROOT / "build" / "state" / "sandbox", compute_nodes=2,
@@ -268,71 +362,23 @@ def run(args: argparse.Namespace) -> int:
     for folder in (data, ckpt, results, jobs_dir):
         folder.mkdir(parents=True, exist_ok=True)
     corpus, vocab, config = inputs(work)
-    spec.root.mkdir(parents=True, exist_ok=True)
-    left = Sandbox.saved(spec.root)
-    if left is not None and left.spec.platforms and left.is_up():
-        say("the sandbox this checkout left up has an emulated node (demo --platforms): "
-            "stopping it")
-        imgpipe("sandbox", "down")
-    sandbox_up = imgpipe("sandbox", "up", "--nodes", "2", capture=True)
-    cluster = Sandbox.saved(Path(sandbox_up["owner"])) or Sandbox(spec)
-    if not sandbox_up["started_here"]:
-        shared.append(f"the sandbox {cluster.spec.name!r} ({cluster.root})")
-    if shared:
-        say(f"using {' and '.join(shared)}, started from another checkout: this demo "
-            "leaves them running")
-    recipes = work / "recipes"
-    configs = render_recipes(work, recipes, {
+    setting = start_cluster(args, spec, converted, shared, {
         "data_dir": str(data), "checkpoint_dir": str(ckpt), "results_dir": str(results),
-        "dataset_source": str(corpus), "vocab": str(vocab), "bert_config": str(config)},
-        squashfs)
-    # Four ranks share this machine's cores: one thread each (a node would set its own).
-    # LOG_FREQ=10: each logged loss is the mean of 10 steps (a 16-sequence step's loss alone
-    # varies by +-0.5), so the first and final losses compare means, as NVIDIA's recipe logs.
-    env = ("export USER=${USER:-root} CHECKPOINT_EVERY=50 LOG_FREQ=10 OMP_NUM_THREADS=1 "
-           "PATH=/usr/local/bin:/usr/bin:/bin")
-    jobs = [Job("dataset.sub", "dataset"), Job("run.sub", "phase 1"),
-            Job("run.sub", "phase 2"), Job("nccl.sub", "nccl")]
-    previous = {j["label"]: j for j in state.get("jobs", [])}
-    said: list[str] = []  # the last job status line printed
-    # 1. the dataset, unless a complete one is there
-    if (data / "summary.json").exists() and "dataset" in previous:
-        jobs[0].__dict__.update({**previous["dataset"], "skipped": True})
-        say("dataset: prepared before (data/summary.json), skipped")
-    else:
-        submit_and_wait(cluster, recipes, jobs_dir, jobs[0], jobs, results,
-                        f"{env} && sbatch --parsable -N2 --ntasks-per-node=1 "
-                        f"{recipes}/dataset.sub", None, said)
-    # 2. both phases
-    for phase, job in ((1, jobs[1]), (2, jobs[2])):
-        final = ckpt / f"phase{phase}" / f"ckpt_{STEPS[phase]}.pt"
-        if final.exists() and job.label in previous:
-            job.__dict__.update({**previous[job.label], "skipped": True})
-            say(f"{job.label}: trained before ({final.name}), skipped")
-            continue
-        config_sh = configs[phase]
-        submit_and_wait(cluster, recipes, jobs_dir, job, jobs, results,
-                        f"{env} && source {config_sh} && export MAX_STEPS={STEPS[phase]} "
-                        f"{PHASE_OVERRIDES[phase]} "
-                        f"&& sbatch --parsable -N$DGXNNODES "
-                        f"--ntasks-per-node=$DGXNGPU {recipes}/run.sub", phase, said)
-        job.step, job.loss = last_step(results, phase)
-    fill_mask(results, corpus)
-    # 3. the NCCL check (bus bandwidth with PyTorch's all-reduce: nccl-tests needs CUDA)
-    submit_and_wait(cluster, recipes, jobs_dir, jobs[3], jobs, results,
-                    f"{env} && sbatch --parsable -N2 --ntasks-per-node=2 {recipes}/nccl.sub",
-                    None, said)
+        "dataset_source": str(corpus), "vocab": str(vocab), "bert_config": str(config)})
+    jobs = run_jobs(setting, state, work, corpus)
     state["jobs"] = [{k: v for k, v in j.__dict__.items() if k != "skipped"} for j in jobs]
     save_state(state)
     pins = {"bert image": str(converted["reference"]), "digest": str(converted["digest"]),
-            "squashfs": str(squashfs)}
+            "squashfs": str(squashfs), "jobs ran": f"{setting.image} ({setting.runtime})"}
     (results / "workflow.json").write_text(json.dumps({
         "jobs": [{"name": j.label, "id": j.id, "state": j.state + (" (earlier run)"
                                                                   if j.skipped else ""),
-                  "nodes": j.nodes, "elapsed": j.elapsed} for j in jobs],
+                  "nodes": j.nodes, "elapsed": j.elapsed, "runtime": j.runtime}
+                 for j in jobs],
         "pins": pins}, indent=1))
     made = imgpipe("report", str(results), capture=True)
-    print_summary(pins, jobs, made, recipes, time.monotonic() - started)
+    print_summary(pins, jobs, made, setting.recipes, time.monotonic() - started)
+    pyxis_lines(jobs, jobs_dir)
     return 0
 
 
@@ -348,14 +394,16 @@ def stop_demo() -> int:
     return 0
 
 
-def render_recipes(work: Path, recipes: Path, folders: dict[str, str], squashfs: Path
+def render_recipes(work: Path, recipes: Path, folders: dict[str, str], image: str,
+                   runtime: str = "charliecloud", extra: list[str] | None = None
                    ) -> dict[int, Path]:
-    """The demo's recipes under ``recipes``; each phase's config file."""
+    """The demo's recipes under ``recipes``, pinned to ``image`` (a squashfs file, or the
+    pushed digest for Pyxis); each phase's config file."""
     config_file = work / "imgpipe-demo.yaml"
     config_file.write_text(json.dumps({"recipes": folders}))
     rendered = imgpipe("--config", str(config_file), "recipes", "render", "--profile",
-                       "local", "--nodes", "2", "--runtime", "charliecloud", "--image",
-                       str(squashfs), "-o", str(recipes), capture=True)
+                       "local", "--nodes", "2", "--runtime", runtime, "--image", image,
+                       *(extra or []), "-o", str(recipes), capture=True)
     return {s["phase"]: recipes / (f"config_{s['nodes']}x{s['gpus_per_node']}x"
                                    f"{s['per_gpu_batch']}x{s['accumulation']}.sh")
             for s in rendered["shapes"]}
@@ -374,33 +422,3 @@ def fill_mask(results: Path, corpus: Path) -> None:
     process.run([sys.executable, "-m", "bert_trainer.fillmask", str(exports[-1]),
                  "--corpus", str(text), "-o", str(results / "fill_mask.json")],
                 timeout=600, what="fill-mask")
-
-
-def print_summary(pins: dict[str, str], jobs: list[Job], made: dict[str, Any], recipes: Path,
-                  seconds: float) -> None:
-    """Digests, each job's state and time, the losses, the NCCL verdict, where things are."""
-    summary = made["summary"]
-    say("summary")
-    for key, value in pins.items():
-        print(f"  {key:<16} {value}")
-    for job in jobs:
-        again = " (done in an earlier run)" if job.skipped else ""
-        print(f"  {job.label:<16} job {job.id} {job.state} on {job.nodes} in {job.elapsed}"
-              f"{again}")
-    for phase in (1, 2):
-        numbers = summary.get(f"phase{phase}")
-        if numbers:
-            print(f"  phase {phase} loss     {numbers['first_loss']:.3f} -> "
-                  f"{numbers['final_loss']:.3f} in {numbers['steps']} steps")
-    trained = [summary[key] for key in ("phase1", "phase2") if summary.get(key)]
-    if trained:
-        first, final = trained[0]["first_loss"], trained[-1]["final_loss"]
-        print(f"  training loss    {first:.3f} -> {final:.3f}: "
-              f"{final / first:.2f} of the first")
-    if "nccl" in summary:
-        print(f"  nccl             {summary['nccl']['line']}")
-    for export in summary.get("exports", []):
-        print(f"  exported         {export}")
-    print(f"  report           {made['report']}")
-    print(f"  recipes          {recipes}")
-    print(f"  time             {seconds:.0f} s")

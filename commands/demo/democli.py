@@ -23,6 +23,11 @@ def main(argv: list[str] | None = None) -> int:
                         "bert built for both, self-tested, pushed as one index, converted "
                         "here, and phase 1 trained a few steps on an x86 and an arm64 "
                         "(emulated) node of the sandbox; outputs in build/demo-platforms")
+    parser.add_argument("--runtime", choices=("pyxis", "charliecloud"), default="pyxis",
+                        help="what starts the jobs' containers: Pyxis with Enroot (srun "
+                        "--container-image pinned to the pushed digest, as the user "
+                        "imgpipe-demo) or Charliecloud's ch-run on the squashfs file (as "
+                        "root) [default: pyxis]")
     args = parser.parse_args(argv)
     if args.platforms and not args.down:
         return run_platforms(args)

@@ -31,10 +31,8 @@ from typing import Any
 
 from imgpipe.base.platforms import Platform, host_platform, parse_platforms
 from imgpipe.commands.demo.demo import (
-    JOB_NAMES,
     PHASE_OVERRIDES,
     ROOT,
-    Job,
     imgpipe,
     inputs,
     say,
@@ -42,6 +40,7 @@ from imgpipe.commands.demo.demo import (
     submit_and_wait,
     wheels,
 )
+from imgpipe.commands.demo.demojobs import JOB_NAMES, Job
 from imgpipe.recipes.sandbox import Sandbox
 
 WORK = ROOT / "build" / "demo-platforms"

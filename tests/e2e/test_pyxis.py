@@ -43,13 +43,14 @@ def bin_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def pyxis_cluster(registry_server, bin_dir: Path):
+    from imgpipe.commands.builds.sandbox import with_pyxis
     from imgpipe.recipes.sandbox import SandboxSpec, running
     from tests.cluster import ensure_users
 
     ensure_users()
-    spec = SandboxSpec(shared_folder("imgpipe-pyxis-"), name="imgpy", subnet="10.213.21",
-                       compute_nodes=3, cpus=4, gpus=0, pyxis=True,
-                       importer=str(bin_dir / "imgpipe-pyxis-importer"))
+    spec = with_pyxis(SandboxSpec(shared_folder("imgpipe-pyxis-"), name="imgpy",
+                                  subnet="10.213.21", compute_nodes=3, cpus=4, gpus=0),
+                      importer=str(bin_dir / "imgpipe-pyxis-importer"))
     with running(spec, registry_storage=registry_server.root / "data") as sandbox:
         yield sandbox
 
