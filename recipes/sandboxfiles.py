@@ -16,7 +16,12 @@ from imgpipe.base.platforms import (
     emulation_env,
     host_platform,
 )
-from imgpipe.recipes.sandboxpyxis import boot_lines, write_pyxis
+from imgpipe.recipes.sandboxpyxis import (
+    boot_lines,
+    overlay_lines,
+    write_host_files,
+    write_pyxis,
+)
 
 MUNGE_SOCKET = "munge/munge.socket"
 SLURMD_PORT = 6818
@@ -63,6 +68,8 @@ class SandboxSpec:
     importer: str = ""
     squashfuse: bool = True
     pyxis_line: str = ""  # the plugstack line itself (rendered by with_pyxis)
+    # "FOLDER:TARGET,...": a node image's folders laid over each compute host's own
+    node_overlays: str = ""
 
     def node_platform(self, host: Host) -> Platform:
         """The platform ``host`` stands for (this machine's unless ``platforms`` says)."""
@@ -115,6 +122,8 @@ def write_config(spec: SandboxSpec, root: Path) -> Path:
     plugstack = spec.plugstack
     if spec.pyxis and plugstack is None:
         plugstack = write_pyxis(root, spec.pyxis_line)
+    elif spec.pyxis:
+        write_host_files(root)  # the site's own plugstack loads Pyxis
     last = spec.compute_nodes
     gpus = f"Gres=gpu:{spec.gpus} " if spec.gpus else ""
     node_lines = [f"NodeName={h.name} NodeAddr={h.address} NodeHostname={h.name} "
@@ -204,7 +213,8 @@ def write_platform_prolog(root: Path, emulated: dict[str, Platform]) -> Path | N
     return path
 
 
-def write_boot_script(root: Path, node_scratch: str = "", pyxis: bool = False) -> None:
+def write_boot_script(root: Path, node_scratch: str = "", pyxis: bool = False,
+                      overlays: str = "") -> None:
     """What each daemon runs first in its host: set the hostname, mount node-local
     scratch folders, and mount the cgroup
     hierarchies as the root namespace has them (`ip netns exec` mounts a fresh /sys
@@ -229,6 +239,7 @@ def write_boot_script(root: Path, node_scratch: str = "", pyxis: bool = False) -
                   f'chmod 1777 "{node_scratch}/$(hostname)"',
                   f'mount --bind "{node_scratch}/$(hostname)" /var/tmp']),
               *(boot_lines(root) if pyxis else []),
+              *overlay_lines(overlays),
               f'if [ -f "{cpuinfo}$(hostname)" ]; then',
               f'  mount --bind "{cpuinfo}$(hostname)" /proc/cpuinfo',
               "fi",

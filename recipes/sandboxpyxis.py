@@ -21,7 +21,8 @@ from pathlib import Path
 
 from imgpipe.recipes.errors import SandboxError
 
-__all__ = ["ENROOT_CONF", "PYXIS_RUNTIME", "boot_lines", "write_pyxis"]
+__all__ = ["ENROOT_CONF", "PYXIS_RUNTIME", "boot_lines", "overlay_lines", "write_host_files",
+           "write_pyxis"]
 
 ENROOT_CONF = "/etc/enroot/enroot.conf"
 PYXIS_RUNTIME = "/run/pyxis"
@@ -39,21 +40,26 @@ ENROOT_MAX_PROCESSORS 2
 
 def write_pyxis(root: Path, line: str) -> Path:
     """The plugstack.conf holding Pyxis's ``line`` (as ``node-config`` renders it for a site:
-    ``commands.builds.sandbox.with_pyxis``) and the enroot.conf of the sandbox in ``root``;
-    the plugstack's path."""
+    ``commands.builds.sandbox.with_pyxis``) in ``root``, and the hosts' files; its path."""
     if not line.startswith("required "):
         raise SandboxError("the sandbox has no Pyxis line to load",
                            hint="make its spec with commands.builds.sandbox.with_pyxis")
     plugstack = root / "plugstack.conf"
     plugstack.write_text(f"# Pyxis, the line imgpipe node-config renders\n{line}\n")
+    os.chmod(plugstack, 0o644)
+    write_host_files(root)
+    return plugstack
+
+
+def write_host_files(root: Path) -> None:
+    """What each compute host binds in its own place: the sandbox's enroot.conf and a
+    /dev/fuse every user may open."""
     (root / "enroot.conf").write_text(SANDBOX_ENROOT_CONF)
+    os.chmod(root / "enroot.conf", 0o644)
     fuse = root / "dev" / "fuse"
     if not fuse.exists():
         os.mknod(fuse, 0o666 | stat.S_IFCHR, os.makedev(10, 229))
     os.chmod(fuse, 0o666)
-    for path in (plugstack, root / "enroot.conf"):
-        os.chmod(path, 0o644)
-    return plugstack
 
 
 def boot_lines(root: Path) -> list[str]:
@@ -73,3 +79,14 @@ def boot_lines(root: Path) -> list[str]:
             f'if [ -c "{root}/dev/fuse" ]; then',
             f'  mount --bind "{root}/dev/fuse" /dev/fuse',
             "fi"]
+
+
+def overlay_lines(overlays: str) -> list[str]:
+    """``FOLDER:TARGET,...``: each FOLDER laid over the host's own TARGET, read-only (an
+    overlay with both as lower layers), so a compute host sees a node image's files (an
+    importer link, a venv) where a site's node would have them, and its own beside them."""
+    lines = []
+    for pair in filter(None, overlays.split(",")):
+        folder, _, target = pair.partition(":")
+        lines.append(f'mount -t overlay overlay -o "lowerdir={folder}:{target}" "{target}"')
+    return lines

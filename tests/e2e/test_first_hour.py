@@ -10,6 +10,14 @@ the site config in /etc, checks and applies the nodes' config (the importer acce
 shared cache up, checks the profile against the node, renders the recipes as a user and runs
 the NCCL check and the report.  Afterwards the site's own files are as they were, except the
 Pyxis line the admin accepted, which is kept in a backup.
+
+The site's jobs run through real Pyxis (0.24.0, built by ./setup.sh) on a sandbox whose
+slurmd reads the node image's own plugstack.conf, and whose compute hosts see the node
+image's /usr/local/bin (the importer link node-config made) and /opt/imgpipe (imgpipe as the
+guide installs it) laid over their own.  So the NCCL job is the site's user's `srun
+--container-image=head:5000#imgpipe/bert@sha256:…` on the accepted importer line; then
+`node-config --rollback` puts the site's line back and the same job runs through Enroot's
+own import again (Enroot's per-user layer cache on the nodes shows it).
 """
 
 from __future__ import annotations
@@ -28,8 +36,8 @@ from tests.nodeimage import node_image, sums
 ROOT = Path(__file__).resolve().parents[2]
 ALICE = USERS[0]
 SITE_CONFIG = Path("/etc/imgpipe")
-PYXIS = ("required /usr/lib/x86_64-linux-gnu/slurm-wlm/spank_pyxis.so "
-         "runtime_path=/run/pyxis container_scope=job sbatch_support=1")
+PLUGIN = "usr/local/lib/slurm/spank_pyxis.so"  # where ./setup.sh installs the real one
+PYXIS = (f"required /{PLUGIN} runtime_path=/run/pyxis container_scope=job sbatch_support=1")
 SITE_FILES = {
     "etc/slurm/slurm.conf": "ClusterName=site\nPartitionName=debug Nodes=ALL\n",
     "etc/slurm/plugstack.conf": "optional /usr/lib/site/spank_x11.so\n" + PYXIS + "\n",
@@ -74,13 +82,50 @@ def _node_venv(work: Path) -> Path:
     return venv
 
 
-def test_the_first_hour_runs_as_written_and_leaves_the_sites_files(cluster, bert_cpu,
+@pytest.fixture
+def site_cluster(registry_server) -> Iterator:
+    """A 2-node Pyxis sandbox set up as the site: started by the test once its node image
+    exists (its plugstack is the image's)."""
+    from imgpipe.recipes.sandbox import SandboxSpec, running
+
+    started: list = []
+
+    def start(node: Path, opt: Path):
+        spec = SandboxSpec(shared_folder("imgpipe-site-cluster-"), name="imgpf",
+                           subnet="10.213.22", cpus=16, gpus=16,
+                           plugstack=node / "etc/slurm/plugstack.conf", pyxis=True,
+                           node_overlays=f"{node}/usr/local/bin:/usr/local/bin,{opt}:/opt")
+        context = running(spec, registry_storage=registry_server.root / "data")
+        sandbox = context.__enter__()
+        started.append(context)
+        return sandbox
+
+    yield start
+    for context in started:
+        context.__exit__(None, None, None)
+
+
+def _enroot_layers(cluster) -> str:
+    """What Enroot's own import left in each node's per-user cache (node-local)."""
+    done = cluster.run(["srun", "-N2", "--ntasks-per-node=1", "/bin/sh", "-c",
+                        'echo "$(hostname) $(ls /var/tmp/enroot/cache/user-$(id -u) '
+                        '2>/dev/null | wc -l)"'], user=ALICE, timeout=120, cwd="/tmp")
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_the_first_hour_runs_as_written_and_leaves_the_sites_files(site_cluster, bert_cpu,
                                                                    site_etc) -> None:
     work = shared_folder("imgpipe-first-hour-")
     node = work / "node"
-    node_image(node, SITE_FILES, "usr/lib/x86_64-linux-gnu/slurm-wlm/spank_pyxis.so")
+    node_image(node, SITE_FILES, PLUGIN)
+    shutil.copyfile(f"/{PLUGIN}", node / PLUGIN)  # the real Pyxis the node loads
     before = sums(node)
     venv = _node_venv(work)
+    opt = work / "node-opt"  # the node's /opt: imgpipe where the guide installs it
+    opt.mkdir()
+    (opt / "imgpipe").symlink_to(venv)
+    cluster = site_cluster(node, opt)
     checkout = work / "source"  # the user's own clone: the catalog, and the lock render keeps
     subprocess.run(["chown", "-R", f"{ALICE}:", str(checkout)], check=True)
     data = work / "lustre-bert"
@@ -89,7 +134,7 @@ def test_the_first_hour_runs_as_written_and_leaves_the_sites_files(cluster, bert
            "DISTRIBUTION": "shared", "STEPS": "1 2 3 4",
            "PARTITION": "debug", "DATA": str(data), "PROFILE_FROM": "local",
            "NODE_SHAPE": f"--cores-per-node {os.cpu_count()}", "FLAVOR": "cpu",
-           "IMAGES": "", "RUNTIME": "charliecloud", "NODES": "2", "TASKS": "2",
+           "IMAGES": "", "RUNTIME": "pyxis", "NODES": "2", "TASKS": "2",
            "ACCEPT": "importer", "NODE_ROOT": str(node), "IMGPIPE": str(venv / "bin/imgpipe"),
            "AS_USER": ALICE, "CHECKOUT": str(checkout),
            "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
@@ -118,7 +163,31 @@ def test_the_first_hour_runs_as_written_and_leaves_the_sites_files(cluster, bert
     assert (node / "etc/imgpipe/imgpipe.yaml").read_text() == site
     assert (work / "squashfs" / ".imgpipe" / "VERSION").is_file()
     assert "profile site: matches this node" in said
-    # 4. the first jobs: the NCCL check passed, judged by the site's profile
+    # 4. the first jobs: the NCCL check passed, judged by the site's profile, its tasks
+    # started by real Pyxis through the accepted importer from the shared folder
     assert "PASS: all_reduce on 4 rank(s) / 2 node(s)" in said, said[-4000:]
     assert "judged against profile site" in said
     assert (data / "results" / "report" / "index.html").is_file()
+    [log] = data.rglob("nccl-check-*.out")
+    assert "pyxis: imported docker image: head:5000#imgpipe/bert@sha256:" in log.read_text()
+    assert list((work / "squashfs").glob("imgpipe+bert+sha256-*.sqsh"))  # the importer's
+    layers = _enroot_layers(cluster)
+    assert set(layers.split()[1::2]) == {"0"}, layers  # Enroot imported nothing itself
+
+    # the admin takes the line back: the site's own Pyxis line, Enroot's own import
+    rolled = cluster.run([str(venv / "bin/imgpipe"), "node-config", "--rollback", "--root",
+                          str(node)], timeout=120, cwd="/tmp")
+    assert rolled.returncode == 0, rolled.stdout + rolled.stderr
+    assert (node / "etc/slurm/plugstack.conf").read_text() == \
+        SITE_FILES["etc/slurm/plugstack.conf"]
+    recipes = data / "first-hour-recipes"
+    again = cluster.run(["sbatch", "--parsable", "--wait", "-N2", "--ntasks-per-node=2",
+                         "--chdir", str(recipes), str(recipes / "nccl.sub")], user=ALICE,
+                        timeout=900, cwd="/tmp")
+    job = again.stdout.strip().splitlines()[0] if again.stdout.strip() else "?"
+    outputs = [p.read_text() for p in data.rglob(f"nccl-check-{job}.out")]
+    assert again.returncode == 0, (again.stderr, outputs)
+    assert outputs and "pyxis: imported docker image: head:5000#imgpipe/bert@sha256:" in \
+        outputs[0], outputs
+    layers = _enroot_layers(cluster)
+    assert all(int(count) > 0 for count in layers.split()[1::2]), layers  # Enroot imported
