@@ -152,7 +152,7 @@ class Sandbox:
                 pyxis=str(spec.get("pyxis")) == "True", importer=str(spec.get("importer") or ""),
                 squashfuse=str(spec.get("squashfuse", "True")) == "True",
                 pyxis_line=str(spec.get("pyxis_line") or ""),
-                node_overlays=str(spec.get("node_overlays") or "")))
+                node_binds=str(spec.get("node_binds") or "")))
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -304,7 +304,7 @@ class Sandbox:
     def _start_daemons(self, state: State, registry_storage: Path | None) -> None:
         root = self.root
         write_boot_script(self.root, self.spec.node_scratch, self.spec.pyxis,
-                          self.spec.node_overlays)
+                          self.spec.node_binds)
         for host in self.spec.nodes:
             (root / "spool" / host.name).mkdir(parents=True, exist_ok=True)
         munge = root / "munge"

@@ -17,8 +17,8 @@ from imgpipe.base.platforms import (
     host_platform,
 )
 from imgpipe.recipes.sandboxpyxis import (
+    bind_lines,
     boot_lines,
-    overlay_lines,
     write_host_files,
     write_pyxis,
 )
@@ -68,8 +68,8 @@ class SandboxSpec:
     importer: str = ""
     squashfuse: bool = True
     pyxis_line: str = ""  # the plugstack line itself (rendered by with_pyxis)
-    # "FOLDER:TARGET,...": a node image's folders laid over each compute host's own
-    node_overlays: str = ""
+    # "FOLDER:TARGET,...": a node image's folders bound over each host's own
+    node_binds: str = ""
 
     def node_platform(self, host: Host) -> Platform:
         """The platform ``host`` stands for (this machine's unless ``platforms`` says)."""
@@ -214,7 +214,7 @@ def write_platform_prolog(root: Path, emulated: dict[str, Platform]) -> Path | N
 
 
 def write_boot_script(root: Path, node_scratch: str = "", pyxis: bool = False,
-                      overlays: str = "") -> None:
+                      binds: str = "") -> None:
     """What each daemon runs first in its host: set the hostname, mount node-local
     scratch folders, and mount the cgroup
     hierarchies as the root namespace has them (`ip netns exec` mounts a fresh /sys
@@ -239,7 +239,7 @@ def write_boot_script(root: Path, node_scratch: str = "", pyxis: bool = False,
                   f'chmod 1777 "{node_scratch}/$(hostname)"',
                   f'mount --bind "{node_scratch}/$(hostname)" /var/tmp']),
               *(boot_lines(root) if pyxis else []),
-              *overlay_lines(overlays),
+              *bind_lines(binds),
               f'if [ -f "{cpuinfo}$(hostname)" ]; then',
               f'  mount --bind "{cpuinfo}$(hostname)" /proc/cpuinfo',
               "fi",

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from imgpipe.recipes.errors import SandboxError
 
-__all__ = ["ENROOT_CONF", "PYXIS_RUNTIME", "boot_lines", "overlay_lines", "write_host_files",
+__all__ = ["ENROOT_CONF", "PYXIS_RUNTIME", "boot_lines", "bind_lines", "write_host_files",
            "write_pyxis"]
 
 ENROOT_CONF = "/etc/enroot/enroot.conf"
@@ -81,12 +81,11 @@ def boot_lines(root: Path) -> list[str]:
             "fi"]
 
 
-def overlay_lines(overlays: str) -> list[str]:
-    """``FOLDER:TARGET,...``: each FOLDER laid over the host's own TARGET, read-only (an
-    overlay with both as lower layers), so a compute host sees a node image's files (an
-    importer link, a venv) where a site's node would have them, and its own beside them."""
+def bind_lines(binds: str) -> list[str]:
+    """``FOLDER:TARGET,...``: each FOLDER bound over the host's TARGET, so a compute host
+    sees a node image's folders (an importer link, a venv) where a site's node has them."""
     lines = []
-    for pair in filter(None, overlays.split(",")):
+    for pair in filter(None, binds.split(",")):
         folder, _, target = pair.partition(":")
-        lines.append(f'mount -t overlay overlay -o "lowerdir={folder}:{target}" "{target}"')
+        lines.append(f'mount --bind "{folder}" "{target}"')
     return lines

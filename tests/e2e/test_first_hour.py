@@ -13,8 +13,8 @@ Pyxis line the admin accepted, which is kept in a backup.
 
 The site's jobs run through real Pyxis (0.24.0, built by ./setup.sh) on a sandbox whose
 slurmd reads the node image's own plugstack.conf, and whose compute hosts see the node
-image's /usr/local/bin (the importer link node-config made) and /opt/imgpipe (imgpipe as the
-guide installs it) laid over their own.  So the NCCL job is the site's user's `srun
+image's /usr/local/bin (Enroot, and the importer link node-config makes) and /opt (imgpipe as
+the guide installs it) in place of their own.  So the NCCL job is the site's user's `srun
 --container-image=head:5000#imgpipe/bert@sha256:…` on the accepted importer line; then
 `node-config --rollback` puts the site's line back and the same job runs through Enroot's
 own import again (Enroot's per-user layer cache on the nodes shows it).
@@ -94,7 +94,7 @@ def site_cluster(registry_server) -> Iterator:
         spec = SandboxSpec(shared_folder("imgpipe-site-cluster-"), name="imgpf",
                            subnet="10.213.22", cpus=16, gpus=16,
                            plugstack=node / "etc/slurm/plugstack.conf", pyxis=True,
-                           node_overlays=f"{node}/usr/local/bin:/usr/local/bin,{opt}:/opt")
+                           node_binds=f"{node}/usr/local/bin:/usr/local/bin,{opt}:/opt")
         context = running(spec, registry_storage=registry_server.root / "data")
         sandbox = context.__enter__()
         started.append(context)
@@ -120,6 +120,10 @@ def test_the_first_hour_runs_as_written_and_leaves_the_sites_files(site_cluster,
     node = work / "node"
     node_image(node, SITE_FILES, PLUGIN)
     shutil.copyfile(f"/{PLUGIN}", node / PLUGIN)  # the real Pyxis the node loads
+    local_bin = node / "usr/local/bin"  # the node's Enroot, where Pyxis's cleanup finds it
+    local_bin.mkdir(parents=True, exist_ok=True)
+    for program in Path("/usr/local/bin").glob("enroot*"):
+        shutil.copy2(program, local_bin / program.name)
     before = sums(node)
     venv = _node_venv(work)
     opt = work / "node-opt"  # the node's /opt: imgpipe where the guide installs it
