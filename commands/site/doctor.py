@@ -91,7 +91,8 @@ def check_enroot(settings: Settings) -> Check:
                      "references", "pin squashfs files: imgpipe push --convert (recipes "
                      "render then pins the file), or upgrade Enroot to 4.0", required=False)
     where = shutil.which("enroot") if learnt.startswith("the enroot") else None
-    return Check("enroot", "ok", f"Enroot {shown} ({where or learnt}): digest references work",
+    at = f" at {where}" if where else ""
+    return Check("enroot", "ok", f"Enroot {shown} ({learnt}{at}): digest references work",
                  required=False)
 
 
