@@ -9,21 +9,29 @@ lengths, per implementation, the same micro-batches already on the device:
   unfused configuration it replaced;
 - hf-eager / hf-compiled: ``transformers.BertForPreTraining`` (attn_implementation="sdpa",
   bf16 autocast, fused AdamW, gradient clipping at 1.0 as its Trainer does), eager and
-  under torch.compile, labels at the masked slots.
+  under torch.compile, labels at the masked slots, every batch padded to the full length
+  (variant ``padded,...``: the shipped recipes' HDF5 shards come so);
+- hf-grouped: the same, compiled, as a careful user would run it: the same sequences in
+  length-grouped batches (sorted by length, as transformers' ``group_by_length`` sorts a
+  mega-batch), each padded only to its own longest sequence (variant ``grouped,...``).
 
-Lengths: ``generated`` (bert_trainer.synthetic: 10% short rows) and ``real``: a length
-histogram shaped to published Wikipedia statistics, not a corpus: at 512 tokens about 254
-real tokens per sequence (NVIDIA's MLPerf packing statistics; Graphcore, arXiv 2107.02027:
-more than half of phase 2 is padding); at 128 the reference recipe's own rule (short-sequence
-probability 0.1, the rest full).  Its mean is printed.
+Lengths: ``generated`` (bert_trainer.synthetic: 10% short rows) and ``real``, the length
+model of ``bert_trainer.synthetic.real_length_instances`` (shaped to published Wikipedia
+statistics, not a corpus): phase 2 a mean of 254 real tokens of 512, scaled with --tiny;
+phase 1 the reference recipe's short-sequence rule.  The lengths sit at evenly spaced
+quantiles of the model, so phase 2's 128 sequences carry its mean; the run prints the mean
+and how far a random draw of as many would move it (1 sd), and with it the absolute figure
+of a step whose work follows the real tokens (every implementation runs the same ones).
 
 Rates count real (non-padding) tokens: sequences/s, real tokens/s, and TFLOP/s and MFU from
 the matmul FLOPs of the real tokens alone (``BertConfig.training_flops_per_sequence`` at each
 sequence's length), so padding a model computes earns it nothing.  Rows at accumulation 1
 and at the shipped configs' accumulation on one 8-GPU node (phase 1: 32 micro-batches,
-phase 2: 128) go to ``--out`` as they come.  ``--profile FILE`` adds, per phase and
-implementation, a kernel-time summary (matmul / elementwise / optimizer / attention /
-other; bench/trainer_kernels.py).  Without a GPU it says it skipped, unless ``--tiny``
+phase 2: 128) go to ``--out`` as they come.  Every micro-batch runs once before the timing
+(each shape compiled); each row times whole passes over them and records the step-to-step
+spread (``step_sd_pct``).  ``--profile FILE`` adds, per phase and implementation, a
+kernel-time summary (matmul / elementwise / optimizer / attention / other;
+bench/trainer_kernels.py).  Without a GPU it says it skipped, unless ``--tiny``
 asks for a small CPU run that checks the script itself (Hugging Face rows are left out,
 with a line saying so, where transformers is not installed).
 
@@ -57,7 +65,11 @@ from bert_trainer.config import TINY, BertConfig  # noqa: E402
 from bert_trainer.data import KEYS, Batch, Position, to_batch  # noqa: E402
 from bert_trainer.metrics import peak_tflops  # noqa: E402
 from bert_trainer.model import IGNORE, BertForPreTraining  # noqa: E402
-from bert_trainer.synthetic import instances  # noqa: E402
+from bert_trainer.synthetic import (  # noqa: E402
+    instances,
+    length_model,
+    real_length_instances,
+)
 from bert_trainer.trainer import Trainer  # noqa: E402
 from trainer_kernels import OPTIMIZER_RANGE, profile_steps  # noqa: E402
 
@@ -68,37 +80,33 @@ SHAPES = {1: {"seq_len": 128, "max_pred": 20, "micro_batch": 256, "accumulation"
 TINY_SHAPES = {1: {"seq_len": 32, "max_pred": 5, "micro_batch": 4, "accumulation": 2},
                2: {"seq_len": 64, "max_pred": 10, "micro_batch": 2, "accumulation": 4}}
 POOL = 4  # distinct micro-batches per shape, cycled
+SEQ_KEYS = ("input_ids", "input_mask", "segment_ids")  # the keys with a sequence axis
 
 
-def real_lengths(count: int, seq_len: int, rng: np.random.Generator) -> np.ndarray:
-    """Sequence lengths shaped to Wikipedia's: at 512 a fifth full, the rest drawn from a
-    Beta(1.1, 2) over [8, 512) (mean about 254); at 128 the recipe's short-sequence rule."""
-    if seq_len >= 512:
-        full = rng.random(count) < 0.2
-        drawn = 8 + ((seq_len - 8) * rng.beta(1.1, 2.0, count)).astype(int)
-        return np.where(full, seq_len, drawn)
-    short = rng.random(count) < 0.1
-    return np.where(short, rng.integers(8, seq_len + 1, count), seq_len)
-
-
-def make_batches(config: BertConfig, shape: dict, lengths: str,
-                 device: torch.device) -> list[Batch]:
-    size, seq, pred = shape["micro_batch"], shape["seq_len"], shape["max_pred"]
+def make_arrays(config: BertConfig, shape: dict, phase: int,
+                lengths: str) -> dict[str, np.ndarray]:
+    """``POOL`` micro-batches' worth of shard rows, of ``generated`` or ``real`` lengths."""
     rng = np.random.default_rng(0)
-    made = instances(POOL * size, seq, pred, config.vocab_size, rng)
-    arrays = {key: getattr(made, key) for key in KEYS}
-    if lengths == "real":  # cut each row to its drawn length: [CLS] ... [SEP] [PAD]...
-        for row, length in enumerate(real_lengths(POOL * size, seq, rng)):
-            arrays["input_ids"][row, length:] = 0
-            arrays["input_ids"][row, length - 1] = 3
-            arrays["input_mask"][row, length:] = 0
-            arrays["segment_ids"][row, length:] = 0
-            keep = (arrays["masked_lm_positions"][row] < length - 1)
-            keep = np.cumprod(keep & (arrays["masked_lm_positions"][row] > 0)).astype(bool)
-            arrays["masked_lm_positions"][row][~keep] = 0
-            arrays["masked_lm_ids"][row][~keep] = 0
-    return [to_batch([{k: v[i * size:(i + 1) * size] for k, v in arrays.items()}],
-                     Position()).to(device) for i in range(POOL)]
+    count, seq, pred = POOL * shape["micro_batch"], shape["seq_len"], shape["max_pred"]
+    made = (real_length_instances(count, seq, pred, config.vocab_size, phase, rng)
+            if lengths == "real" else instances(count, seq, pred, config.vocab_size, rng))
+    return {key: getattr(made, key) for key in KEYS}
+
+
+def batches_of(arrays: dict[str, np.ndarray], size: int, device: torch.device,
+               grouped: bool = False) -> list[Batch]:
+    """Micro-batches of ``size`` rows in order, padded to the full length; ``grouped``: the
+    rows sorted by length, longest first, each batch cut to its own longest sequence."""
+    lengths = arrays["input_mask"].sum(1)
+    order = np.argsort(-lengths, kind="stable") if grouped else np.arange(len(lengths))
+    batches = []
+    for start in range(0, len(order) - size + 1, size):
+        rows = order[start:start + size]
+        width = int(lengths[rows].max()) if grouped else arrays["input_ids"].shape[1]
+        part = {key: value[rows][:, :width] if key in SEQ_KEYS else value[rows]
+                for key, value in arrays.items()}
+        batches.append(to_batch([part], Position()).to(device))
+    return batches
 
 
 def real_work(config: BertConfig, batches: list[Batch], max_pred: int) -> tuple[float, float]:
@@ -168,20 +176,39 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _mark(device: torch.device) -> Any:
+    """A point in time: a recorded CUDA event (no sync), or the CPU clock."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
 def timed(step: Callable[[list[Batch]], None], batches: list[Batch], accumulation: int,
-          steps: int, device: torch.device) -> tuple[float, float | None]:
-    """Seconds per optimizer step, peak memory (GiB) over those steps."""
+          steps: int, device: torch.device) -> tuple[list[float], float | None]:
+    """Seconds of each optimizer step, peak memory (GiB) over those steps."""
     sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    started = time.perf_counter()
+    marks = [_mark(device)]
     for i in range(steps):
         step([batches[(i * accumulation + j) % len(batches)] for j in range(accumulation)])
+        marks.append(_mark(device))
     sync(device)
-    seconds = (time.perf_counter() - started) / steps
+    seconds = [b - a if isinstance(a, float) else a.elapsed_time(b) / 1000
+               for a, b in zip(marks, marks[1:], strict=False)]
     peak = (torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda"
             else None)
     return seconds, peak
+
+
+def whole_passes(steps: int, accumulation: int, pool: int) -> int:
+    """``steps`` rounded up so the timed micro-batches are whole passes over the pool (the
+    rates count the pool's mean tokens; grouped batches differ in length by design)."""
+    while steps * accumulation % pool:
+        steps += 1
+    return steps
 
 
 class Results:
@@ -206,9 +233,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--phases", default="1,2")
     parser.add_argument("--lengths", default="generated,real")
-    parser.add_argument("--impls", default="imgpipe,hf-eager,hf-compiled",
+    parser.add_argument("--impls", default="imgpipe,hf-eager,hf-compiled,hf-grouped",
                         help="of imgpipe, imgpipe-before (padded, autocast, unfused LAMB: "
-                        "what imgpipe replaced), hf-eager, hf-compiled")
+                        "what imgpipe replaced), hf-eager, hf-compiled (both padded to the "
+                        "full length), hf-grouped (compiled, length-grouped batches padded "
+                        "to their longest)")
     parser.add_argument("--append", action="store_true",
                         help="keep the rows already in --out and --profile, add to them")
     parser.add_argument("--accumulation", default="1,shipped",
@@ -244,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
               else BertConfig())
     shapes = TINY_SHAPES if args.tiny else SHAPES
     impls = args.impls.split(",")
-    unknown = set(impls) - {"imgpipe", "imgpipe-before", "hf-eager", "hf-compiled"}
+    unknown = set(impls) - {"imgpipe", "imgpipe-before", "hf-eager", "hf-compiled",
+                            "hf-grouped"}
     if unknown:
         print(f"bench_trainer: unknown --impls {', '.join(sorted(unknown))}", file=sys.stderr)
         return 2
@@ -253,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         hf_version: str | None = transformers.__version__
     except ImportError:
         hf_version = None
-        print("transformers is not installed: the hf-eager and hf-compiled rows are skipped")
+        print("transformers is not installed: the Hugging Face rows are skipped")
         impls = [i for i in impls if not i.startswith("hf")]
     name = torch.cuda.get_device_name(device) if gpu else "cpu"
     out = args.out or (ROOT / "bench" / "results" / "trainer-gpu.json" if gpu else None)
@@ -265,8 +295,9 @@ def main(argv: list[str] | None = None) -> int:
                        args.append)
     print(f"device: {name}; model: {results.data['model']}; torch {torch.__version__}; "
           f"transformers {hf_version}")
-    print(f"{'phase':>5} {'impl':<12} {'lengths':<9} {'micro':>5} {'acc':>4} {'seq/s':>9} "
-          f"{'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'GiB':>6} {'vs hf-c':>7}", flush=True)
+    print("* padded to the full length; hf-grouped: length-grouped batches, each padded to "
+          "its longest; ±step: step-to-step sd")
+    print(HEADER, flush=True)
     started = time.perf_counter()
     for phase in (int(p) for p in args.phases.split(",")):
         shape = dict(shapes[phase])
@@ -283,26 +314,29 @@ def run_phase(args: argparse.Namespace, phase: int, shape: dict, impls: list[str
               started: float) -> None:
     accumulations = [shape["accumulation"] if a == "shipped" else int(a)
                      for a in args.accumulation.split(",")]
-    data = {kind: make_batches(config, shape, kind, device) for kind in args.lengths.split(",")}
-    for kind, batches in data.items():
-        mean, _ = real_work(config, batches, shape["max_pred"])
-        print(f"phase {phase}, {kind} lengths: mean {mean:.1f} real tokens of "
-              f"{shape['seq_len']}", flush=True)
+    made = {kind: make_arrays(config, shape, phase, kind) for kind in args.lengths.split(",")}
+    data = {kind: {"padded": batches_of(arrays, shape["micro_batch"], device)}
+            for kind, arrays in made.items()}
+    spread: dict[str, float | None] = {}
+    for kind, arrays in made.items():
+        if "hf-grouped" in impls:
+            data[kind]["grouped"] = batches_of(arrays, shape["micro_batch"], device, True)
+        spread[kind] = describe_lengths(phase, kind, shape, data[kind], config)
     # Hugging Face compiled first (the ratio's denominator), then imgpipe: what matters most
     # is measured before a deadline can stop the run.
-    order = ["hf-compiled", "imgpipe", "imgpipe-before", "hf-eager"]
-    compiled_hf: dict[tuple[str, int], float] = {}
+    order = ["hf-compiled", "imgpipe", "hf-grouped", "imgpipe-before", "hf-eager"]
+    measured: dict[tuple[str, str, int], float] = {}
     for name in sorted(impls, key=order.index):
         if args.deadline and time.perf_counter() - started > args.deadline:
             print(f"deadline reached: phase {phase} {name} not measured", flush=True)
             return
-        impl, before = name.removesuffix("-before"), name.endswith("-before")
         try:
-            measure(args, phase, impl, before, shape, data, accumulations, config, device,
-                    results, profiles, compiled_hf)
+            measure(args, phase, name, shape, data, spread, accumulations, config, device,
+                    results, profiles, measured)
         except Exception as exc:  # one lease, many rows: a failure costs only its own
             traceback.print_exc()
-            results.add("rows", {"phase": phase, "impl": impl, "before": before,
+            results.add("rows", {"phase": phase, "impl": name.removesuffix("-before"),
+                                 "before": name.endswith("-before"),
                                  "error": f"{type(exc).__name__}: {exc}"[:2000]})
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -310,29 +344,59 @@ def run_phase(args: argparse.Namespace, phase: int, shape: dict, impls: list[str
             torch._dynamo.reset()  # each model compiles afresh; bounded cache growth
 
 
-def measure(args: argparse.Namespace, phase: int, impl: str, before: bool, shape: dict,
-            data: dict[str, list[Batch]], accumulations: list[int], config: BertConfig,
-            device: torch.device, results: Results, profiles: Results,
-            compiled_hf: dict[tuple[str, int], float]) -> None:
+def describe_lengths(phase: int, kind: str, shape: dict, batches: dict[str, list[Batch]],
+                     config: BertConfig) -> float | None:
+    """Print the lengths' mean (and the model's, with the spread a random draw of as many
+    sequences would give it); that spread in percent, for real lengths."""
+    mean, _ = real_work(config, batches["padded"], shape["max_pred"])
+    line = f"phase {phase}, {kind} lengths: mean {mean:.1f} real tokens of {shape['seq_len']}"
+    spread = None
+    if kind == "real":
+        model, sd = length_model(shape["seq_len"], phase)
+        count = POOL * shape["micro_batch"]
+        spread = 100 * sd / model / count**0.5
+        line += (f" (the model's mean {model:.1f}; a random {count} would move it by "
+                 f"±{spread:.1f}% (1 sd), and with it the absolute figure of any step whose "
+                 "work follows the real tokens; every implementation runs these same ones)")
+    if "grouped" in batches:
+        widths = [b.input_ids.shape[1] for b in batches["grouped"]]
+        line += f"; grouped batches padded to {sum(widths) / len(widths):.0f} on average"
+    print(line, flush=True)
+    return spread
+
+
+def measure(args: argparse.Namespace, phase: int, name: str, shape: dict,
+            data: dict[str, dict[str, list[Batch]]], spread: dict[str, float | None],
+            accumulations: list[int], config: BertConfig, device: torch.device,
+            results: Results, profiles: Results,
+            measured: dict[tuple[str, str, int], float]) -> None:
     """One implementation's rows (each kind of lengths, each accumulation) and profile."""
+    impl, before = name.removesuffix("-before"), name.endswith("-before")
     compiled = device.type == "cuda" and impl != "hf-eager"
     step = (imgpipe_step(config, device, before, compiled) if impl == "imgpipe"
             else hf_step(config, device, compiled))
-    variant = ("padded,autocast,foreach-lamb" if before else
-               "unpadded,o2,fused-lamb" if impl == "imgpipe" else "sdpa,autocast,fused-adamw")
-    for kind, batches in data.items():
-        for i in range(args.warmup):  # compilation (per shape) and the allocator
+    variant = {"imgpipe": "unpadded,o2,fused-lamb", "imgpipe-before":
+               "padded,autocast,foreach-lamb", "hf-grouped": "grouped,sdpa,autocast,fused-adamw"
+               }.get(name, "padded,sdpa,autocast,fused-adamw")
+    for kind, both in data.items():
+        batches = both["grouped" if impl == "hf-grouped" else "padded"]
+        for i in range(max(args.warmup, len(batches))):  # compiles every shape; allocator
             step([batches[i % len(batches)]])
         for accumulation in accumulations:
-            steps = args.steps if accumulation == 1 else args.shipped_steps
+            steps = whole_passes(args.steps if accumulation == 1 else args.shipped_steps,
+                                 accumulation, len(batches))
             seconds, peak = timed(step, batches, accumulation, steps, device)
             row = row_of(config, phase, impl, variant, kind, shape, accumulation, seconds,
                          peak, batches, device)
-            if impl == "hf-compiled":
-                compiled_hf[(kind, accumulation)] = row["sequences_per_s"]
-            hf = compiled_hf.get((kind, accumulation))
+            sample = spread[kind]
+            row["sample_spread_pct"] = round(sample, 2) if sample is not None else None
+            measured[(name, kind, accumulation)] = row["sequences_per_s"]
+            hf = measured.get(("hf-compiled", kind, accumulation))
             row["ratio_to_hf_compiled"] = (round(row["sequences_per_s"] / hf, 3)
                                            if hf else None)
+            ours = measured.get(("imgpipe", kind, accumulation))
+            if impl == "hf-grouped" and ours:
+                row["imgpipe_ratio_to_this"] = round(ours / row["sequences_per_s"], 3)
             results.add("rows", row)
             print_row(row)
         if args.profile is not None and kind == next(iter(data)):
@@ -347,31 +411,46 @@ def measure(args: argparse.Namespace, phase: int, impl: str, before: bool, shape
 
 
 def row_of(config: BertConfig, phase: int, impl: str, variant: str, kind: str, shape: dict,
-           accumulation: int, seconds: float, peak: float | None, batches: list[Batch],
+           accumulation: int, seconds: list[float], peak: float | None, batches: list[Batch],
            device: torch.device) -> dict[str, Any]:
     tokens, flops = real_work(config, batches, shape["max_pred"])
-    sequences = shape["micro_batch"] * accumulation / seconds
+    mean = sum(seconds) / len(seconds)
+    spread = (sum((s - mean) ** 2 for s in seconds) / len(seconds)) ** 0.5
+    sequences = shape["micro_batch"] * accumulation / mean
     tflops = sequences * flops / 1e12
     top = peak_tflops(device, "bf16", None)
+    widths = [b.input_ids.shape[1] for b in batches]
     return {"phase": phase, "impl": impl, "variant": variant, "lengths": kind,
             "micro_batch": shape["micro_batch"], "accumulation": accumulation,
             "seq_len": shape["seq_len"], "mean_real_tokens": round(tokens, 1),
-            "step_s": round(seconds, 4), "sequences_per_s": round(sequences, 1),
+            "padded_to": (None if variant.startswith("unpadded")
+                          else round(sum(widths) / len(widths), 1)),
+            "steps": len(seconds), "step_s": round(mean, 4),
+            "step_sd_pct": round(100 * spread / mean, 2) if len(seconds) > 1 else None,
+            "sequences_per_s": round(sequences, 1),
             "real_tokens_per_s": round(sequences * tokens, 1),
             "tflops_per_s": round(tflops, 2),
             "mfu": round(tflops / top, 4) if top else None,
             "peak_memory_gib": round(peak, 2) if peak is not None else None}
 
 
+HEADER = (f"{'phase':>5} {'impl':<12} {'lengths':<9} {'micro':>5} {'acc':>4} {'seq/s':>9} "
+          f"{'±step':>6} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'GiB':>6} {'vs hf-c':>7}")
+
+
 def print_row(row: dict[str, Any]) -> None:
     mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "-"
     gib = f"{row['peak_memory_gib']:.1f}" if row["peak_memory_gib"] is not None else "-"
-    ratio = row["ratio_to_hf_compiled"]
+    ratio, sd = row["ratio_to_hf_compiled"], row["step_sd_pct"]
     impl = row["impl"] + ("*" if row["variant"].startswith("padded") else "")
     print(f"{row['phase']:>5} {impl:<12} {row['lengths']:<9} {row['micro_batch']:>5} "
           f"{row['accumulation']:>4} {row['sequences_per_s']:>9.1f} "
-          f"{row['real_tokens_per_s']:>10.0f} {row['tflops_per_s']:>8.1f} {mfu:>6} {gib:>6} "
+          f"{(f'{sd:.1f}%' if sd is not None else '-'):>6} {row['real_tokens_per_s']:>10.0f} "
+          f"{row['tflops_per_s']:>8.1f} {mfu:>6} {gib:>6} "
           f"{(f'{ratio:.2f}x' if ratio else '-'):>7}", flush=True)
+    if row.get("imgpipe_ratio_to_this"):
+        print(f"      imgpipe is {row['imgpipe_ratio_to_this']:.2f}x Hugging Face with "
+              "length-grouped batches", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
-"""What an export hands a fine-tuning user: a folder they can take as it is (readable by whoever
-reads its parent, fine-tuning dropout, the tokenizer stopping at the model's positions,
-activation names each side reads back, a model card whose example runs), and conversions of
-public checkpoints with no run at all."""
+"""What an export hands a fine-tuning user: a folder they can take as it is (its modes the
+exporting user's umask gives, never wider: a private run stays private; fine-tuning dropout,
+the tokenizer stopping at the model's positions, activation names each side reads back, a
+model card whose example runs), and conversions of public checkpoints with no run at all."""
 
 from __future__ import annotations
 
@@ -83,10 +83,10 @@ def test_an_export_is_a_folder_to_fine_tune_from_as_it_is(tmp_path: Path,
                                                            private_umask: None) -> None:
     _, saved = _saved(tmp_path)
     folder = export(saved, "hf", tmp_path / "shared" / "bert", vocab=_vocab(tmp_path / "v"))
-    assert stat.S_IMODE(folder.stat().st_mode) == 0o755
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700  # umask 077: the user's alone
     assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()} == dict.fromkeys(
         ["config.json", "model.safetensors", "vocab.txt", "tokenizer.json",
-         "tokenizer_config.json", "imgpipe_export.json", "README.md"], 0o644)
+         "tokenizer_config.json", "imgpipe_export.json", "README.md"], 0o600)
     config = json.loads((folder / "config.json").read_text())
     assert (config["hidden_dropout_prob"], config["attention_probs_dropout_prob"]) == (0.1, 0.1)
     assert json.loads((folder / "imgpipe_export.json").read_text())["pretraining_dropout"] == {

@@ -90,14 +90,14 @@ class ShardStream:
 
     def __init__(self, files: list[Path], rank: int, world_size: int, seed: int,
                  micro_batch: int, seq_len: int, max_pred: int, vocab_size: int,
-                 start: Position | None = None) -> None:
+                 start: Position | None = None, type_vocab_size: int = 2) -> None:
         if len(files) < world_size:
             raise DataError(f"{len(files)} shard(s) in {files[0].parent} for {world_size} "
                             "ranks: every rank reads distinct shards, so there must be at "
                             "least as many shards as ranks")
         self.files, self.rank, self.world_size, self.seed = files, rank, world_size, seed
         self.micro_batch, self.seq_len, self.max_pred = micro_batch, seq_len, max_pred
-        self.vocab_size = vocab_size
+        self.vocab_size, self.type_vocab_size = vocab_size, type_vocab_size
         self.start = start or Position()
 
     def shards_of_epoch(self, epoch: int) -> list[int]:
@@ -120,6 +120,12 @@ class ShardStream:
         if count and int(arrays["input_ids"].max()) >= self.vocab_size:
             raise DataError(f"{path}: token id {int(arrays['input_ids'].max())} is outside the "
                             f"model's vocabulary of {self.vocab_size} (check --config_file)")
+        segments = arrays["segment_ids"]
+        if count and not 0 <= int(segments.min()) <= int(segments.max()) < self.type_vocab_size:
+            bad = int(segments.min()) if segments.min() < 0 else int(segments.max())
+            raise DataError(f"{path}: segment id {bad} is outside the model's type_vocab_size "
+                            f"of {self.type_vocab_size} (check --config_file: pre-training "
+                            "pairs two sentences, so BERT's type_vocab_size is 2)")
         order = np.random.default_rng([self.seed, epoch, index]).permutation(count)
         return {key: value[order] for key, value in arrays.items()}
 

@@ -16,8 +16,8 @@ config carries fine-tuning dropout (0.1).
 CHECKPOINT is a ``ckpt_<step>.pt`` or a checkpoint folder (its phase2/, else phase1/,
 latest), or anything ``--init_checkpoint`` takes (a Hugging Face folder or file, an NVIDIA
 checkpoint), converted directly with the config beside it (or ``--config_file``).  Nothing
-is left half-written: the folder appears whole or not at all, readable by whoever can read
-the folder it is in.
+is left half-written: the folder appears whole or not at all, its permissions as the umask
+makes them (a private model stays private).
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shutil
+import stat
 import sys
-import tempfile
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,8 @@ from bert_trainer.weights import Initial, from_source
 
 METADATA = "imgpipe_export.json"
 FINE_TUNING_DROPOUT = 0.1  # what the hub's BERT configs carry, and fine-tuning inherits
+# what tokenizer_config.json names, and BertWordPieceTokenizer needs in the vocabulary
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 
 def fine_tuning_config(config: BertConfig) -> BertConfig:
@@ -125,15 +128,14 @@ def export(source: Path, layout: Layout, dest: Path, config_file: Path | None = 
     vocab = vocab or (beside if beside.is_file() else None)
     if layout == "hf" and vocab is None:
         raise LayoutError("a Hugging Face folder needs its vocabulary: pass --vocab_file")
-    if vocab is not None and len(vocab.read_text().splitlines()) != config.vocab_size:
-        raise LayoutError(f"{vocab} holds {len(vocab.read_text().splitlines())} tokens, the "
-                          f"model's vocabulary {config.vocab_size}")
+    if vocab is not None:
+        check_vocab(vocab, config)
     state = export_state(initial.state, config, layout)
     if dest.exists():
         raise FileExistsError(f"{dest} exists: choose a new folder (-o)")
     metadata = provenance(initial, layout, config)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    work = _work_folder(dest)
     try:
         _write(work, layout, state, config, vocab, _lowercase(initial.source))
         (work / METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
@@ -142,14 +144,42 @@ def export(source: Path, layout: Layout, dest: Path, config_file: Path | None = 
         (work / "README.md").write_text(model_card(layout, dest.absolute(), config, metadata,
                                                    lineage, FINE_TUNING_DROPOUT,
                                                    vocab is not None))
-        for path in work.iterdir():  # readable as the folder is (mkdtemp makes both private)
-            os.chmod(path, 0o644)
-        os.chmod(work, 0o755)
+        # safetensors writes its file 0600 whatever the umask: every file gets the mode
+        # open() gave the metadata file (0666 less the umask), as the folder has its own
+        made = stat.S_IMODE((work / METADATA).stat().st_mode)
+        for path in work.iterdir():
+            os.chmod(path, made)
         os.rename(work, dest)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
     return dest
+
+
+def check_vocab(vocab: Path, config: BertConfig) -> None:
+    """LayoutError unless ``vocab`` has the model's size and BERT's special tokens."""
+    try:
+        tokens = vocab.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise LayoutError(f"{vocab}: not a UTF-8 vocabulary ({exc.reason} at byte "
+                          f"{exc.start})") from None
+    if len(tokens) != config.vocab_size:
+        raise LayoutError(f"{vocab} holds {len(tokens)} tokens, the model's vocabulary "
+                          f"{config.vocab_size}")
+    missing = [token for token in SPECIAL_TOKENS if token not in set(tokens)]
+    if missing:
+        raise LayoutError(f"{vocab} lacks BERT's {', '.join(missing)} token"
+                          f"{'s' if len(missing) > 1 else ''}: pass the vocabulary the data "
+                          "was made with (--vocab_file)")
+
+
+def _work_folder(dest: Path) -> Path:
+    """A new hidden folder beside ``dest`` with the permissions the umask gives a folder
+    (mkdtemp's is always 0700; issue 62: forcing 0755/0644 instead made a private model
+    world-readable)."""
+    work = dest.parent / f".{dest.name}.{os.getpid()}.{secrets.token_hex(6)}"
+    work.mkdir()
+    return work
 
 
 def _write(work: Path, layout: Layout, state: dict[str, torch.Tensor], config: BertConfig,

@@ -26,6 +26,16 @@ def _data(record: dict[str, Any]) -> str:
     return text + ")"
 
 
+def _batch(record: dict[str, Any]) -> str:
+    """The global batch, or each one with its steps where a resumed run changed it."""
+    batches = record.get("batches")
+    if not batches:
+        return _cell(record.get("global_batch"))
+    ends = [b["from_step"] - 1 for b in batches[1:]] + [record.get("step")]
+    return ", ".join(f"{_cell(b['global_batch'])} (steps {b['from_step']}-{_cell(end)})"
+                     for b, end in zip(batches, ends, strict=True))
+
+
 def training_table(lineage: list[dict[str, Any]]) -> list[str]:
     """Markdown rows: where the weights started, then one row per phase."""
     lines = ["| phase | data | sequence length | masked per sequence | global batch | steps "
@@ -38,7 +48,7 @@ def training_table(lineage: list[dict[str, Any]]) -> list[str]:
             lines.append(
                 f"| {record.get('phase')} | {_data(record)} | {_cell(record.get('max_seq_length'))}"
                 f" | {_cell(record.get('max_predictions_per_seq'))} "
-                f"| {_cell(record.get('global_batch'))} | {_cell(record.get('step'))} "
+                f"| {_batch(record)} | {_cell(record.get('step'))} "
                 f"| {_cell(record.get('loss'))} "
                 f"| {_cell(record.get('image_digest') or record.get('image'))} |")
         else:  # a checkpoint from before lineage was recorded: what it said of itself

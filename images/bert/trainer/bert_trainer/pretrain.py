@@ -203,7 +203,7 @@ def _train(args: argparse.Namespace, where) -> int:  # noqa: ANN001 - Placement
     from bert_trainer import checkpoint
     from bert_trainer.config import BertConfig, ConfigError
     from bert_trainer.data import Position, Prefetcher, ShardStream, shard_files
-    from bert_trainer.lineage import phase_record
+    from bert_trainer.lineage import finished, phase_record, resumed
     from bert_trainer.metrics import JsonLog, Throughput, peak_tflops
     from bert_trainer.model import BertForPreTraining, count_parameters
     from bert_trainer.start import config_name, starting_point
@@ -260,6 +260,9 @@ def _train(args: argparse.Namespace, where) -> int:  # noqa: ANN001 - Placement
                               args.max_predictions_per_seq, args.train_batch_size * world,
                               args.learning_rate, args.max_steps, initialized_from, image,
                               image_digest)
+    if saved is not None:  # the steps already run keep the batch they ran at
+        this_phase = resumed(this_phase, (saved.get("lineage") or [None])[-1],
+                             int(saved["step"]))
     trainer = Trainer(model, device, precision, args.learning_rate, args.warmup_proportion,
                       args.max_steps, args.gradient_accumulation_steps, distributed,
                       compile_model, args.weight_decay, args.max_grad_norm,
@@ -276,7 +279,8 @@ def _train(args: argparse.Namespace, where) -> int:  # noqa: ANN001 - Placement
             log.write({"event": "warning", "message": f"checkpoint from {saved['world_size']} "
                        f"ranks resumed on {world}: data restarts at epoch {start.epoch}"})
     stream = ShardStream(files, rank, world, args.seed, micro_batch, args.max_seq_length,
-                         args.max_predictions_per_seq, config.vocab_size, start)
+                         args.max_predictions_per_seq, config.vocab_size, start,
+                         config.type_vocab_size)
     batches = Prefetcher(stream, depth=args.prefetch, pin_memory=use_cuda)
     global_batch = args.train_batch_size * world
     throughput = Throughput(global_batch, args.max_seq_length,
@@ -309,8 +313,8 @@ def _train(args: argparse.Namespace, where) -> int:  # noqa: ANN001 - Placement
                        "world_size": world, "data": positions, "rng": rngs,
                        "config": asdict(config), "loss": last_loss, "image": image,
                        "image_digest": image_digest, "init_checkpoint": initialized_from,
-                       "lineage": [*begun.history, {**this_phase, "step": trainer.step_count,
-                                                     "loss": last_loss}],
+                       "lineage": [*begun.history,
+                                   finished(this_phase, trainer.step_count, last_loss)],
                        **trainer.state_dict()}
             written = checkpoint.save(ckpt_dir, trainer.step_count, payload,
                                       args.keep_checkpoints)

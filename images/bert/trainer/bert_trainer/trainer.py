@@ -151,6 +151,16 @@ class Trainer:
         else:
             self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        # The checkpoint says how far the schedule is; this run's --learning_rate,
+        # --warmup_proportion and --max_steps say what it is.  The rate the optimizer stored
+        # is the old schedule's next one (0.0 after its last step, issue 62), so the rates
+        # are set afresh from this run's schedule before the first step.
+        base_rates = list(self.scheduler.base_lrs)
         self.scheduler.load_state_dict(state["scheduler"])
+        self.scheduler.base_lrs = base_rates
+        done = self.scheduler.last_epoch
+        for group, base, factor in zip(self.optimizer.param_groups, base_rates,
+                                       self.scheduler.lr_lambdas, strict=True):
+            group["initial_lr"], group["lr"] = base, base * factor(done)
         if self.scaler.is_enabled() and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
