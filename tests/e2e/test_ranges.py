@@ -38,7 +38,7 @@ from imgpipe.enroot.published.artifact import (
     publish,
 )
 from imgpipe.enroot.published.policy import Fetched, PublishedPolicy, fetch_trusted
-from imgpipe.registry import chunks
+from imgpipe.registry import ranges
 from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.errors import DigestMismatchError, RegistryError
 from imgpipe.registry.mediatypes import OCI_MANIFEST
@@ -181,7 +181,7 @@ def blob(registry_server: services.RegistryProcess, tmp_path: Path,
     """A squashfs published with chunk digests of CHUNK bytes beside a fresh image (the
     minimum chunk size lowered to CHUNK, so that 4.5 MB are many chunks; the tests of the
     bounds themselves, at the end, keep the real one)."""
-    monkeypatch.setattr(chunks, "MIN_CHUNK_SIZE", CHUNK)
+    monkeypatch.setattr(ranges, "MIN_CHUNK_SIZE", CHUNK)
     session, url = services.plain_session(), registry_server.url
     repository = f"ranges/{tmp_path.name.lower().replace('_', '-')[:40]}"
     digest = services.push_image(session, url, repository, "v1",
