@@ -4,24 +4,19 @@ broadcast``): the importer's ``broadcast URI``, one task per node in one
 
 Every task first looks for its node's entry (``fast_get``): a node that holds one takes no
 part and receives nothing.  The batch host's task (rank 0) fetches the pinned squashfs as any
-node would, and sends each segment of the file as soon as its ranged fetch has checked it
-(registry.ranges tells it, chunk by chunk, in order) down a chain of the other nodes in
-their order (``enroot.published.chain``: MPI point-to-point messages, a window of them in
-flight on every link, so each node forwards one segment while it receives the next); each
-node gathers the segments into units that it writes and hashes on a thread of its own
-(``enroot.published.relay``), so no pass over the file is left at the end.  A final gather
-tells the batch host which nodes took the copy, which it says in one line (and, with
-IMGPIPE_BROADCAST_STAGES set, every node's stage times in a second, machine-readable one); a
+node would, and sends each unit of the file as soon as its ranged fetch has checked it
+(registry.ranges tells it, chunk by chunk, in order); MPI's pipelined broadcast has every
+node forward a unit while it receives the next, and each node writes and hashes it on a
+thread of its own (``enroot.published.relay``), so no pass over the file is left at the end.
+A final gather tells the batch host which nodes took the copy, which it says in one line; a
 node whose copy failed says why in one line and fetches for itself, from the first chunk
 that differs.
 
 The bytes travel over MPI's connections, which nobody authenticates: a receiver takes only
 bytes that hash to a pin of its own environment and pass the contents check a fetch passes,
 and reads fixed-size buffers only (never a pickled object: unpickling runs code).  Every
-message has one size (a segment and a trailer), so a node that refuses the stream still
-forwards it to its end and the job never hangs on it; every wait sleeps between polls (N
-waiting tasks on one machine do not spin its cores), and a node that sees nothing move for
-chain.STALL_S seconds ends the step, which the recipes then stage with sbcast.
+message has one size (UNIT and a trailer), so a receiver that refuses the stream still takes
+part to its end and the job never hangs on it.
 """
 
 from __future__ import annotations
@@ -29,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-import math
 import os
 import socket
 import struct
@@ -45,39 +39,24 @@ from imgpipe.commands.node.fanout import node_settings, pinned_reference
 from imgpipe.commands.node.importer import fast_get, get, say
 from imgpipe.commands.shared.wiring import storage
 from imgpipe.enroot.cache.storage import Storage
-from imgpipe.enroot.published.chain import (
-    SEGMENT,
-    Pacer,
-    StalledError,
-    forward,
-    send,
-    stamp,
-)
 from imgpipe.enroot.published.pins import Pins
 from imgpipe.enroot.published.relay import (
     HEADER_MAX,
-    SLOT,
-    Assembler,
+    UNIT,
     Header,
-    NodeTimes,
     Prefix,
     Receiver,
     RelayError,
-    gather_slot,
-    read_slot,
-    stages_line,
 )
 from imgpipe.registry.ranges import Checked
 
 DEBIAN_MPI4PY = Path("/usr/lib/python3/dist-packages/mpi4py")
 MPI_HINT = ("apt-get install openmpi-bin python3-mpi4py (and libpmix-dev, which Slurm's "
             "pmix plugin loads), or set enroot.distribution: sbcast")
-STAGES_ENV = "IMGPIPE_BROADCAST_STAGES"  # set: the batch host says every node's stage times
+TRAILER = struct.Struct("<qqq")  # each unit ends with: its offset (-1: stop), length, size
+_MESSAGE = UNIT + TRAILER.size
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-_NAME = SLOT  # bytes per node in the final gather (relay.gather_slot)
-_DATA, _DONE = 61, 62  # the tags of the chain's segments and of its "checked" tokens
-_WAIT_NAP = 0.002  # the longest sleep between polls of the header, a token (libnbc's
-# Ibcast moves only inside a poll: each of its log2(N) rounds may wait one nap)
+_NAME = 64  # bytes per node in the final gather: "1" (took it) or "0", then its name
 
 
 def load_mpi() -> Any:
@@ -145,10 +124,6 @@ def broadcast(uri: str) -> Path:
                     return fetch.result()
                 return _send(mpi, team, fetch, pins, here)
             copy = _receive(mpi, team, cache, ref.repository, pins)
-        except StalledError as exc:  # a node gone quiet: the step ends, sbcast stages it
-            say(f"{here}: {exc.message}: ending the broadcast")
-            world.Abort(1)
-            raise
         finally:
             team.Free()
     if isinstance(copy, Path):
@@ -172,46 +147,16 @@ def _hold(held: contextlib.ExitStack, cache: Storage, manifest: str, pins: froze
 
 
 def _bcast_header(mpi: Any, team: Any, header: Header | None) -> bytes:
-    """The header from the root to every member: a length, then that many bytes (empty
-    where there is none, or one too long: on every member alike)."""
+    """The header from the root to every member: a length, then that many bytes."""
     data = header.encode() if header is not None else b""
     length = bytearray(struct.pack("<q", len(data)))
-    _wait(team.Ibcast([length, mpi.BYTE], root=0), "the batch host's first chunk")
+    team.Bcast([length, mpi.BYTE], root=0)
     (count,) = struct.unpack("<q", length)
     if not 0 < count <= HEADER_MAX:
         return b""
     buffer = bytearray(data) if header is not None else bytearray(count)
-    _wait(team.Ibcast([buffer, mpi.BYTE], root=0), "the batch host's header")
+    team.Bcast([buffer, mpi.BYTE], root=0)
     return bytes(buffer)
-
-
-def _wait(request: Any, what: str) -> None:
-    """Wait for one MPI request, sleeping between polls (MPI's own wait spins a core)."""
-    pacer = Pacer(stall_s=math.inf, nap_max=_WAIT_NAP)
-    while not request.Test():
-        pacer.idle(what)
-
-
-class _Link:
-    """The chain's messages between this node and its neighbours in the team, as MPI
-    point-to-point requests (``enroot.published.chain.Link``)."""
-
-    def __init__(self, mpi: Any, team: Any, upstream: int | None, downstream: int | None
-                 ) -> None:
-        self._mpi, self._team, self._up, self._down = mpi, team, upstream, downstream
-
-    def receive(self, buffer: bytearray) -> object:
-        return self._team.Irecv([buffer, self._mpi.BYTE], source=self._up, tag=_DATA)
-
-    def send(self, buffer: bytearray) -> object:
-        return self._team.Isend([buffer, self._mpi.BYTE], dest=self._down, tag=_DATA)
-
-    def completed(self, pending: list[object]) -> list[int]:
-        return list(self._mpi.Request.Testsome(pending) or ())
-
-    def cancel(self, request: object) -> None:
-        request.Cancel()  # type: ignore[attr-defined]
-        request.Wait()  # type: ignore[attr-defined]
 
 
 class _Fetch:
@@ -225,7 +170,6 @@ class _Fetch:
         self.prefix = Prefix()
         self.failed = False
         self.started = time.monotonic()
-        self.began = time.time()
         self._pid, self._pipe = 0, -1
         if found is not None:
             self.prefix.finish(found)
@@ -295,8 +239,7 @@ def _fetch_and_tell(uri: str, fd: int) -> int:
 
 
 def _send(mpi: Any, team: Any, fetch: _Fetch, pins: frozenset[str], here: str) -> Path:
-    """The batch host: send every segment its fetch checked (or of the entry it held)."""
-    times = {"ready": time.time()}  # the team is made: every task's MPI has started
+    """The batch host: send every unit its fetch checked (or the entry it held)."""
     prefix, started = fetch.prefix, fetch.started
     checked = prefix.started()
     header, source = None, prefix.entry
@@ -314,61 +257,45 @@ def _send(mpi: Any, team: Any, fetch: _Fetch, pins: frozenset[str], here: str) -
             entry = prefix.ended() if checked is not None else None
             if entry is not None and checked is not None and checked.blob[7:] in entry.name:
                 fd, following = os.open(entry, _READ), False
-    told = _bcast_header(mpi, team, header if fd is not None else None)
-    times["header"] = time.time()
+    _bcast_header(mpi, team, header if fd is not None else None)
     try:
-        sent = bool(told) and header is not None and fd is not None and _send_units(
-            mpi, team, header, fd, prefix, following, times)
+        sent = header is not None and fd is not None and _send_units(
+            mpi, team, header, fd, prefix, following)
     finally:
         if fd is not None:
             os.close(fd)
-    _after_the_rest(mpi, team)
-    times["all_checked"] = time.time()
     names = bytearray(_NAME * team.Get_size())
     team.Gather([bytearray(_NAME), mpi.BYTE], [names, mpi.BYTE], root=0)
-    times["gathered"] = time.time()
-    nodes = [read_slot(names[i:i + _NAME]) for i in range(_NAME, len(names), _NAME)]
-    took = sorted(name for ok, name, _ in nodes if ok)
-    fetch_here = sorted(name for ok, name, _ in nodes if not ok)
+    nodes = [names[i:i + _NAME].rstrip(b"\0").decode(errors="replace")
+             for i in range(_NAME, len(names), _NAME)]
+    took = sorted(n[1:] for n in nodes if n.startswith("1"))
+    fetch_here = sorted(n[1:] for n in nodes if not n.startswith("1"))
     what = f"{header.blob[:19]}… ({human_bytes(header.size)})" if header else "nothing"
     say(f"{here}: broadcast {what}{'' if sent else ', stopped early'} in "
         f"{time.monotonic() - started:.1f} s: "
         f"{len(took)} node(s) took it ({', '.join(took) or 'none'})"
         + (f"; fetching for themselves: {', '.join(fetch_here)}" if fetch_here else ""))
-    if os.environ.get(STAGES_ENV):
-        prefix.ended()  # the fetch's own end is one of the stages
-        times.update(first_chunk=prefix.first_at, fetch=prefix.done_at)
-        say(f"{here}: " + stages_line(fetch.began, times, [t for _, _, t in nodes]))
     return fetch.result()
 
 
 def _send_units(mpi: Any, team: Any, header: Header, fd: int, prefix: Prefix,
-                following: bool, times: dict[str, float] | None = None) -> bool:
-    """Send every segment of the file ``fd`` reads (``following``: as the fetch checks it)
-    down the chain; False when the fetch stopped first (the receivers were told)."""
-    stopped = False
-
-    def fill(buffer: bytearray, index: int) -> bool | None:
-        nonlocal stopped
-        offset = index * SEGMENT
-        length = min(SEGMENT, header.size - offset)
-        ready: bool | None = True
-        if following:
-            ready = prefix.poll(header.blob, offset + length, 0)
-            if ready is None:
-                return None
-            ready = ready or _same_file(fd, prefix.entry, header.size)
+                following: bool) -> bool:
+    """Send every unit of the file ``fd`` reads (``following``: as the fetch checks it);
+    False when the fetch stopped first (the receivers were told)."""
+    buffer = bytearray(_MESSAGE)
+    for index in range(header.units()):
+        offset, length = index * UNIT, header.unit_length(index)
+        ready = not following or prefix.wait(header.blob, offset + length) \
+            or _same_file(fd, prefix.entry, header.size)
         if ready and os.preadv(fd, [memoryview(buffer)[:length]], offset) == length:
-            stamp(buffer, offset, length, header.size)
-            return offset + length >= header.size
-        stopped = True
-        stamp(buffer, -1, 0, header.size)
-        return True
-
-    moved = send(_Link(mpi, team, None, 1), fill, pacer=Pacer(nap=prefix.nap))
-    if times is not None:
-        times.update(sent_first=moved.first_at, sent_last=moved.last_at)
-    return not stopped
+            TRAILER.pack_into(buffer, UNIT, offset, length, header.size)
+        else:
+            ready = False
+            TRAILER.pack_into(buffer, UNIT, -1, 0, header.size)
+        team.Bcast([buffer, mpi.BYTE], root=0)
+        if not ready:
+            return False
+    return True
 
 
 def _same_file(fd: int, entry: Path | None, size: int) -> bool:
@@ -385,11 +312,9 @@ def _same_file(fd: int, entry: Path | None, size: int) -> bool:
 
 def _receive(mpi: Any, team: Any, cache: Storage, repository: str, pins: frozenset[str]
              ) -> Path | str:
-    """A node without the entry: every segment received, forwarded to the next node and
-    gathered into units that are written and hashed as they arrive; the entry, or why
-    not."""
+    """A node without the entry: every unit into its own partial download, written and
+    hashed as it arrives; the entry, or why not."""
     here = socket.gethostname()
-    times = NodeTimes(ready=time.time())  # the team is made: every task's MPI has started
     receiver: Receiver | None = None
     why = ""
     raw = _bcast_header(mpi, team, None)
@@ -399,44 +324,30 @@ def _receive(mpi: Any, team: Any, cache: Storage, repository: str, pins: frozens
         header = Header.decode(raw)
         header.check(pins)
         receiver = Receiver(header, cache.partial_download(header.blob),
-                            cache.fetched(repository, header.blob), cache.entry_mode)
+                            cache.fetched(repository, header.blob), cache.entry_mode,
+                            spare=TRAILER.size)
     except (RelayError, ImgpipeError, OSError) as exc:
         why = f"nothing this node can take came ({exc})"
-    assembler = Assembler(receiver) if receiver is not None else None
-    if raw:
-        rank, size = team.Get_rank(), team.Get_size()
-        link = _Link(mpi, team, rank - 1, rank + 1 if rank + 1 < size else None)
-        moved = forward(link, assembler.take if assembler is not None else _passing,
-                        downstream=rank + 1 < size)
-        times.first, times.last = moved.first_at, moved.last_at
+    buffer = receiver.buffer() if receiver is not None else bytearray(_MESSAGE)
+    while raw:
+        team.Bcast([buffer, mpi.BYTE], root=0)
+        offset, length, size = TRAILER.unpack_from(buffer, UNIT)
+        last = offset < 0 or offset + length >= size or not 0 < length <= UNIT
+        if receiver is not None and not why:
+            if offset != receiver.queued or length != receiver.header.unit_length(
+                    offset // UNIT) or size != receiver.header.size:
+                why = "the batch host stopped sending" if offset < 0 else \
+                    f"a unit at byte {offset} of {size} came out of order"
+            else:
+                receiver.put(buffer, length)
+                buffer = receiver.buffer()
+        if last:
+            break
     copy: Path | str = why
-    if receiver is not None and assembler is not None:
-        assembler.flush()
-        why = why or assembler.why
+    if receiver is not None:
         copy = receiver.abandon(why) if why else receiver.finish()
-    times.checked = time.time()
-    _after_the_rest(mpi, team)
-    team.Gather([gather_slot(isinstance(copy, Path), here, times), mpi.BYTE], None, root=0)
+    name = (b"1" if isinstance(copy, Path) else b"0") + here.encode()[:_NAME - 1]
+    team.Gather([bytearray(name.ljust(_NAME, b"\0")), mpi.BYTE], None, root=0)
     return copy
 
 
-def _passing(message: bytearray) -> bool:
-    """A node that takes nothing: every message only passes through."""
-    return True
-
-
-def _after_the_rest(mpi: Any, team: Any) -> None:
-    """Wait, asleep, until every node below this one in a binary tree of the team (rank r
-    hears 2r and 2r+1; rank 1 is the batch host's only child) has its copy checked, then
-    tell the one above: nobody spins in the final gather (MPI's wait) while others still
-    check (the sandbox's hosts share two cores), and the word takes log2(N) hops, not N.
-    A token nobody waits for (a sender that does not) is one small message left unread:
-    its send ends without it."""
-    rank, size = team.Get_rank(), team.Get_size()
-    below = [1] if rank == 0 else [c for c in (2 * rank, 2 * rank + 1) if c < size]
-    tokens = [bytearray(1) for _ in below]
-    for child, token in zip(below, tokens, strict=True):
-        _wait(team.Irecv([token, mpi.BYTE], source=child, tag=_DONE), "the nodes after it")
-    if rank > 0:
-        _wait(team.Isend([bytearray(1), mpi.BYTE], dest=rank // 2, tag=_DONE),
-              "the node above")
