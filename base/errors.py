@@ -24,7 +24,8 @@ Hierarchy::
     │   ├── BlobDigestError         a cached blob changed since it was fetched
     │   ├── NoSpaceError            the squashfs folder is full (folder, needed, free)
     │   ├── SquashfsFormatError     a squashfs file whose tables do not parse (refused)
-    │   └── VerifyError             a published squashfs differs from a local conversion
+    │   ├── VerifyError             a published squashfs differs from a local conversion
+    │   └── StalledError            a broadcast's chain where nothing moved for too long
     └── RecipeError                 imgpipe.recipes.errors: rendering, publishing, pulling
         ├── ShapeError              a shape that cannot keep the global batch (exit 2)
         ├── ProfileError            an unknown or invalid profile (exit 2)

@@ -9,8 +9,9 @@ started cold (every node's cache emptied, the blob cache emptied):
   fetch         enroot.distribution: fetch: every node's importer fetches for itself
   sbcast        the batch host fetches once, Slurm's sbcast copies it, every node checks it
   broadcast     one srun --mpi=pmix step: the batch host's ranged fetch streamed to every
-                node as it checks each chunk (Open MPI's pipeline broadcast), every node
-                writing and hashing as it receives
+                node as it checks each chunk (a chain of 256 KiB MPI messages along the
+                nodes, a window in flight on each link), every node writing and hashing as
+                it receives
   tier          every node fetches through the blob cache (nginx) on a rack host of its own
   sbcast+tier   the batch host fetches through the blob cache, then sbcast
 
@@ -18,7 +19,17 @@ The job is what the recipes render (the runtime's functions and stage_image, Cha
 then one step of one task per node that prints the time it starts.  Measured per job: the
 seconds from the batch script's start until the last node's first task starts, and the bytes
 the registry's access log says it served (every blob GET: 200 or 206).  Each mode's time is
-also given as a ratio to ``fetch`` at the same N and to one node.
+also given as a ratio to ``fetch`` at the same N and to one node.  Beside it, the CPU time
+spent: the importer's tasks' own (user + system, every host; bash's ``times`` around each)
+and the whole machine's (/proc/stat over the job: every host is on it, so with the cores'
+count it says whether cores or links set the pace).  The broadcast's rows also give its
+stages (the batch host's line of stage times, IMGPIPE_BROADCAST_STAGES): every task's MPI
+start, the batch host's first checked chunk and whole fetch, the first byte at the last
+node, the last unit's arrival, the final checks, and the seconds each hop adds.
+
+``--node-rate RATE`` shapes every compute host's link (eth0's egress, in its namespace) with
+the same token bucket the sandbox gives the head (``--registry-rate``), so that links, not
+the machine's cores, set the pace.
 
 Images: bert's squashfs (``--squashfs``, default: the newest bert conversion in
 build/squashfs, from ``./setup.sh demo`` or ``imgpipe convert bert``) and a generated one of
@@ -33,6 +44,8 @@ Writes fanout.json and fanout.png under --out.
     .venv/bin/python bench/bench_fanout.py --nodes 8,16,32 [--generated 6G] [--out bench/results]
     .venv/bin/python bench/bench_fanout.py --nodes 8,16,32 --modes fetch,sbcast,broadcast \
         --generated 0 --no-variants
+    .venv/bin/python bench/bench_fanout.py --nodes 8,16 --modes fetch,sbcast,broadcast \
+        --generated 0 --no-variants --registry-rate 200mbit --node-rate 200mbit
 """
 
 from __future__ import annotations
@@ -41,6 +54,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -55,6 +69,7 @@ sys.path.insert(0, str(ROOT))
 from imgpipe.base.units import parse_size  # noqa: E402
 from imgpipe.enroot.published.artifact import publish  # noqa: E402
 from imgpipe.enroot.published.pins import PINS_ENV  # noqa: E402
+from imgpipe.enroot.published.relay import parse_stages  # noqa: E402
 from imgpipe.recipes.runtimes import prelude  # noqa: E402
 from imgpipe.recipes.sandbox import Sandbox, SandboxSpec, running  # noqa: E402
 from imgpipe.recipes.staging import stage_function  # noqa: E402
@@ -111,6 +126,74 @@ def sbcast_timer(folder: Path) -> Path:
                     'echo "sbcast-end $(date +%s.%N)"\nexit $status\n')
     path.chmod(0o755)
     return path
+
+
+def timed_importer(folder: Path, importer: str) -> Path:
+    """The importer, with the CPU time it and its children used said after it in one line
+    (bash's ``time``, which counts the children it waited for: the batch host's fetch)."""
+    path = folder / "timed-importer"
+    path.write_text('#!/bin/bash\nTIMEFORMAT="cpu-task $(hostname) $1 %3U %3S"\n'
+                    f'time {shlex.quote(importer)} "$@"\n')
+    path.chmod(0o755)
+    return path
+
+
+def task_cpu_s(text: str) -> float:
+    """The CPU seconds (user + system) of every importer task a job's output tells."""
+    return round(sum(float(user) + float(system) for user, system in re.findall(
+        r"^cpu-task \S+ \S+ ([0-9.]+) ([0-9.]+)$", text, re.M)), 2)
+
+
+def machine_cpu() -> list[int]:
+    """/proc/stat's first line: jiffies of all cores (user nice system idle iowait irq
+    softirq steal)."""
+    return [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+
+
+def machine_cpu_since(before: list[int]) -> dict[str, float]:
+    """The machine's CPU time since ``before``: busy and iowait seconds, and the busy share
+    of all its cores."""
+    spent = [b - a for a, b in zip(before, machine_cpu(), strict=True)]
+    tick, total = os.sysconf("SC_CLK_TCK"), sum(spent) or 1
+    busy = total - spent[3] - spent[4]
+    return {"machine_cpu_s": round(busy / tick, 2), "machine_iowait_s": round(spent[4] / tick, 2),
+            "machine_busy": round(busy / total, 3), "cores": os.cpu_count() or 1}
+
+
+def limit_nodes(cluster: Sandbox, rate: str) -> None:
+    """Every compute host's link: the token bucket the sandbox gives the head
+    (recipes.sandbox ``_limit_head``), on eth0's egress inside the host's namespace."""
+    burst = "4mb" if rate.endswith("gbit") else "512kb"
+    for host in cluster.spec.nodes:
+        done = subprocess.run(["ip", "netns", "exec", host.namespace, "tc", "qdisc", "replace",
+                               "dev", "eth0", "root", "tbf", "rate", rate, "burst", burst,
+                               "latency", "200ms"], capture_output=True, text=True)
+        if done.returncode != 0:
+            sys.exit(f"bench_fanout: tc could not limit {host.name}'s link to {rate}: "
+                     f"{done.stderr.strip()}")
+
+
+def stage_times(text: str, start: float) -> dict | None:
+    """The broadcast's stage times in a job's output, in seconds since the job's start
+    (the hops' cost in seconds per hop); None without the line."""
+    stages = parse_stages(text)
+    began = stages.get("start") if stages is not None else None
+    if stages is None or not isinstance(began, (int, float)):
+        return None
+    shift = began - start  # the batch host's task began its fetch then
+
+    def at(key: str) -> float | None:
+        value = stages.get(key)
+        return round(shift + value, 2) if isinstance(value, (int, float)) else None
+
+    fetch = stages.get("fetch")
+    return {"batch_fetch_start": round(shift, 2), "mpi_ready": at("ready_last"),
+            "batch_first_chunk": at("first_chunk"), "batch_fetch_done": at("fetch"),
+            "batch_fetch_s": round(fetch, 2) if isinstance(fetch, (int, float)) else None,
+            "first_byte_last_node": at("first_byte_last_node"), "last_unit": at("last_unit"),
+            "final_check": at("final_check"), "gathered": at("gathered"),
+            "per_hop_s": stages.get("per_hop_s"), "per_hop_last_s": stages.get("per_hop_last_s"),
+            "nodes": stages.get("nodes")}
 
 
 # at the largest N: sbcast's block size and tree width
@@ -204,11 +287,14 @@ def run_job(cluster: Sandbox, folder: Path, script: Path, nodes: int, config: Pa
             image: dict) -> dict:
     since = cluster.registry_log_size()
     out = folder / f"out-{time.monotonic_ns()}.txt"
+    cpu = machine_cpu()
     done = cluster.run(["sbatch", "--wait", "-o", str(out), f"-N{nodes}", "-w",
                         f"node[1-{nodes}]", str(script)], timeout=3600,
                        env={"IMGPIPE_CONFIG": str(config),
                             PINS_ENV: f"{image['digest']}={image['pin']}",
+                            "IMGPIPE_BROADCAST_STAGES": "1",
                             "PATH": os.environ["PATH"]})
+    spent = machine_cpu_since(cpu)
     text = out.read_text() if out.exists() else ""
     if done.returncode != 0:  # said and kept in the results; the other runs go on
         print(f"bench_fanout: the job failed:\n{text}{done.stderr}", flush=True)
@@ -226,7 +312,11 @@ def run_job(cluster: Sandbox, folder: Path, script: Path, nodes: int, config: Pa
                                   r"refused the broadcast copy", text))
     row = {"seconds": round(max(firsts) - start, 2), "registry_bytes": served,
            "copies_served": round(served / image["bytes"], 2), "node_fetches": fetched_here,
-           "checks_s": [float(x) for x in re.findall(r"checked in ([0-9.]+) s", text)]}
+           "checks_s": [float(x) for x in re.findall(r"checked in ([0-9.]+) s", text)],
+           "task_cpu_s": task_cpu_s(text), **spent}
+    stages = stage_times(text, start)
+    if stages is not None:
+        row["stages"] = stages
     marks = {m[0]: float(m[1]) for m in re.findall(r"^(sbcast-start|sbcast-end) ([0-9.]+)$",
                                                     text, re.M)}
     staged = re.search(r"^staged ([0-9.]+)$", text, re.M)
@@ -237,6 +327,10 @@ def run_job(cluster: Sandbox, folder: Path, script: Path, nodes: int, config: Pa
     if sent:  # the batch host's task in the broadcast step: its fetch, sending, the gather
         row["broadcast_root_s"], row["broadcast_took"] = float(sent.group(2)), int(sent.group(3))
         row["fell_back"] = "staging with sbcast" in text
+    if "broadcast" in text and (not sent or "staging with sbcast" in text):
+        # the broadcast step ended without sending: what its tasks said is the reason
+        row["broadcast_said"] = [line for line in text.splitlines() if re.search(
+            r"broadcast|MPI|mpi|Fatal|Segmentation|error|sbcast", line)][-12:]
     if len(marks) == 2:  # the batch host's fetch, then sbcast, then the nodes' checks
         row["batch_fetch_s"] = round(marks["sbcast-start"] - start, 2)
         row["sbcast_s"] = round(marks["sbcast-end"] - marks["sbcast-start"], 2)
@@ -268,8 +362,24 @@ def measure(cluster: Sandbox, folder: Path, image: dict, nodes: int, modes: tupl
                  f"checks and start {row['after_sbcast_s']} s" if "sbcast_s" in row else "")
               + (f"; broadcast step {row['stage_s']} s (batch host's task "
                  f"{row['broadcast_root_s']} s), start {row['after_stage_s']} s"
-                 if "broadcast_root_s" in row else ""),
+                 if "broadcast_root_s" in row else "")
+              + f"; CPU: tasks {row['task_cpu_s']} s, machine {row['machine_cpu_s']} s "
+              f"({100 * row['machine_busy']:.0f}% of {row['cores']} cores, iowait "
+              f"{row['machine_iowait_s']} s)"
+              + (f"\n    stages (s since the job's start): {_stages_text(row['stages'])}"
+                 if "stages" in row else ""),
               flush=True)
+
+
+def _stages_text(stages: dict) -> str:
+    names = (("mpi_ready", "every task's MPI ready"), ("batch_first_chunk", "first chunk checked"),
+             ("first_byte_last_node", "first byte at the last node"),
+             ("batch_fetch_done", "batch host's fetch done"), ("last_unit", "last unit in"),
+             ("final_check", "final check"), ("gathered", "gathered"))
+    said = [f"{text} {stages[key]}" for key, text in names if stages.get(key) is not None]
+    return ", ".join(said) + (f"; per hop {1000 * stages['per_hop_s']:.1f} ms (first byte), "
+                              f"{1000 * (stages.get('per_hop_last_s') or 0):.1f} ms (last)"
+                              if stages.get("per_hop_s") is not None else "")
 
 
 def plot(results: dict, out: Path) -> None:
@@ -303,6 +413,9 @@ def main() -> None:
     parser.add_argument("--squashfs", type=Path, default=None)
     parser.add_argument("--generated", default="6G", help="0: skip the generated image")
     parser.add_argument("--registry-rate", default="1gbit")
+    parser.add_argument("--node-rate", default=None, metavar="RATE",
+                        help="shape every compute host's link like the registry's (tc's "
+                        "rate: 200mbit, 1gbit); default: unshaped")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--no-variants", action="store_true",
                         help="no sbcast block and tree-width variants at the largest N")
@@ -317,7 +430,8 @@ def main() -> None:
     work.chmod(0o755)
     importer = str(ROOT / ".venv" / "bin" / "imgpipe-pyxis-importer")
     imgpipe = str(ROOT / ".venv" / "bin" / "imgpipe")
-    results: dict = {"registry_rate": args.registry_rate, "bert": {}, "generated": {}}
+    results: dict = {"registry_rate": args.registry_rate, "node_rate": args.node_rate,
+                     "cores": os.cpu_count(), "bert": {}, "generated": {}}
     try:
         registry = services.start_registry(work / "registry")
         client = RegistryClient(registry.url, allow_http=True)
@@ -334,8 +448,11 @@ def main() -> None:
                            registry_rate=args.registry_rate, node_scratch=str(work / "nodes"))
         with running(spec, registry_storage=registry.root / "data") as cluster:
             make_caches(cluster, max(counts), imgpipe)
+            if args.node_rate:
+                limit_nodes(cluster, args.node_rate)
             tier = Tier(cluster, work)
             tier.limit(args.registry_rate)
+            timed = str(timed_importer(work, importer))
             def save() -> None:
                 args.out.mkdir(parents=True, exist_ok=True)
                 (args.out / "fanout.json").write_text(json.dumps(results, indent=2) + "\n")
@@ -344,11 +461,11 @@ def main() -> None:
                 for nodes in counts:
                     chosen = ("sbcast",) if nodes == 1 else modes + (
                         VARIANTS if nodes == max(counts) and not args.no_variants else ())
-                    measure(cluster, work, images["bert"], nodes, chosen, importer, tier,
+                    measure(cluster, work, images["bert"], nodes, chosen, timed, tier,
                             results["bert"].setdefault(str(nodes), {}), save)
                 if size:
                     measure(cluster, work, images["generated"], 8,
-                            tuple(m for m in modes if "tier" not in m), importer, tier,
+                            tuple(m for m in modes if "tier" not in m), timed, tier,
                             results["generated"].setdefault("8", {}), save)
             finally:
                 tier.down()
@@ -369,16 +486,21 @@ def _rows(image: str, row: dict, one: float | None) -> list[str]:
         ratio = f"{got['seconds'] / base:.2f}" if base else "-"
         versus_one = f"{got['seconds'] / one:10.2f}" if one else ""
         lines.append(f"{image} {mode:14} {got['seconds']:8.1f} {ratio:>9} {versus_one} "
-                     f"{got['registry_bytes'] / 1e9:12.2f} {got['copies_served']:7}")
+                     f"{got['registry_bytes'] / 1e9:12.2f} {got['copies_served']:7} "
+                     f"{got.get('task_cpu_s', 0):8.1f} {got.get('machine_cpu_s', 0):8.1f} "
+                     f"{100 * got.get('machine_busy', 0):5.0f}%")
+        if "stages" in got:
+            lines.append(f"{'':31}stages: {_stages_text(got['stages'])}")
     return lines
 
 
 def report(results: dict, counts: list[int], out: Path) -> None:
     bert = results["bert"]
     one = bert["1"]["sbcast"]["seconds"]
-    print(f"\none node: {one:.1f} s (registry link {results['registry_rate']})")
+    print(f"\none node: {one:.1f} s (registry link {results['registry_rate']}, nodes' links "
+          f"{results.get('node_rate') or 'unshaped'}, {results.get('cores')} cores)")
     print(f"{'image':14} {'mode':14} {'seconds':>8} {'vs fetch':>9} {'vs 1 node':>10} "
-          f"{'registry GB':>12} {'copies':>7}")
+          f"{'registry GB':>12} {'copies':>7} {'task CPU':>8} {'all CPU':>8} {'busy':>6}")
     for nodes in counts[1:]:
         print("\n".join(_rows(f"bert N={nodes:<6}", bert[str(nodes)], one)))
     for nodes, row in results["generated"].items():

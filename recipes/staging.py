@@ -41,8 +41,7 @@ DISTRIBUTIONS: tuple[str, ...] = get_args(Distribution)
 _FUNCTION = r'''
 # The image onto every node of the job (enroot.distribution: @MODE@): node-local caches.
 # IMGPIPE_IMPORTER (default: the site's) runs on every node as the job's user; IMGPIPE_SBCAST,
-# IMGPIPE_SBCAST_FANOUT and IMGPIPE_SBCAST_BLOCK override sbcast, its tree width and block;
-# IMGPIPE_BCAST_ALGORITHM and IMGPIPE_BCAST_SEGMENT Open MPI's broadcast (broadcast).
+# IMGPIPE_SBCAST_FANOUT and IMGPIPE_SBCAST_BLOCK override sbcast, its tree width and block.
 default_importer=@IMPORTER@
 IMGPIPE_IMPORTER="${IMGPIPE_IMPORTER:-$default_importer}"
 stage_image() {
@@ -57,14 +56,11 @@ stage_image() {
         if ! srun --mpi=list 2>&1 | grep -qw pmix; then
           echo "${0##*/}: Slurm has no pmix plugin here (srun --mpi=list): staging with" \
             "sbcast" >&2
-        # Open MPI's pipeline broadcast (algorithm 3): each node forwards a segment while it
-        # receives the next (its default for 32-1,023 ranks is an unsegmented tree); waiting
-        # ranks yield their core instead of spinning on it; no memory patcher (with it, 2
-        # of 6 sandbox runs lost a task to SIGSEGV; it serves RDMA registration caches)
-        elif got=$(OMPI_MCA_coll_tuned_use_dynamic_rules=1 \
-            OMPI_MCA_coll_tuned_bcast_algorithm="${IMGPIPE_BCAST_ALGORITHM:-3}" \
-            OMPI_MCA_coll_tuned_bcast_algorithm_segmentsize="${IMGPIPE_BCAST_SEGMENT:-4194304}" \
-            OMPI_MCA_mpi_yield_when_idle=1 OMPI_MCA_memory='^patcher' \
+        # MPI starts the step and says where each node listens (the bytes go down a chain
+        # of TCP connections); waiting ranks yield their core instead of spinning on it; no
+        # memory patcher (with it, 2 of 6 sandbox runs lost a task to SIGSEGV; it serves
+        # RDMA registration caches)
+        elif got=$(OMPI_MCA_mpi_yield_when_idle=1 OMPI_MCA_memory='^patcher' \
             srun -N"$nodes" -n"$nodes" --ntasks-per-node=1 --mpi=pmix --kill-on-bad-exit=1 \
             "$IMGPIPE_IMPORTER" broadcast "$uri" | sort -u); then
           mode=broadcast

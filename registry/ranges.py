@@ -13,6 +13,9 @@ harm: chunks of at least MIN_CHUNK_SIZE, at most MAX_CHUNKS of them.  A list out
 bounds is ignored in one line and the fetch goes by its own chunk size, checked by the whole
 digest alone (``plan_chunks``).
 
+Followed chunk by chunk (``verified``: a job's broadcast), the connections share each chunk's
+ranges, so the first is checked after one chunk's time (c/L), not k chunks' (k·c/L).
+
 Which chunks are done is kept beside the partial file (registry.chunkrecord), so a broken-off
 download goes on with the missing chunks only, when it goes on under the same plan.  A server
 that answers 200 to a range (one that ignores ranges) and files under two chunks take the
@@ -24,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -43,122 +45,29 @@ from imgpipe.registry.chunkrecord import (
     read_record,
     sidecar_path,
 )
+from imgpipe.registry.chunks import (  # the chunk names callers know from here too
+    DEFAULT_CHUNK_SIZE,
+    MAX_CHUNKS,
+    MIN_CHUNK_SIZE,
+    Checked,
+    ChunkHasher,
+    Verified,
+    chunk_count,
+    chunk_digests,
+    chunks_problem,
+    own_chunk_size,
+    plan_chunks,
+)
 from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.errors import DigestMismatchError, RegistryError
 from imgpipe.registry.transfer import READ_CHUNK, fetch_resumable, open_partial
 
-DEFAULT_CHUNK_SIZE = 64 << 20
-# A pusher's list of 64 KiB chunks (every digest right) made a 40 MB fetch 612 requests
-# instead of 2 and 6.8-8.4x slower.  At 8 MiB a request carries 128 times the bytes: its own
-# cost (a round trip, a thread hop, an Event) is small beside the transfer.
-MIN_CHUNK_SIZE = 8 << 20
-MAX_CHUNK_SIZE = 1 << 30
-# 2,560 chunks is a 20 GiB squashfs at the minimum, 320 at the default; 4,096 (32 GiB at the
-# minimum, 256 GiB at the default) keeps the list in a manifest under 270 KB (65 bytes each:
-# what every job that reads the referrers parses), the record of done chunks under 25 KB,
-# and a fetch under 4,096 requests.  The old cap, 50,000, was a 3.2 MB list and 50,000
-# rewrites of a record of up to 290 KB per fetch.
-MAX_CHUNKS = 4096
+__all__ = ["Checked", "ChunkHasher", "DEFAULT_CHUNK_SIZE", "MAX_CHUNKS", "MIN_CHUNK_SIZE",
+           "Verified", "chunk_count", "chunk_digests", "chunks_problem", "fetch_ranges",
+           "own_chunk_size", "sidecar_path"]
+
 BROKEN_TRIES = 3  # tries of a range whose transfer breaks off, then the run fails (resumable)
 CHUNK_TRIES = 3  # fetches of one chunk whose bytes keep failing its digest, then fail
-_HEX = re.compile(r"[0-9a-f]{64}")
-
-
-@dataclass(frozen=True)
-class Checked:
-    """How far a ranged download is, told after each chunk in order: the bytes before
-    ``upto`` are written and checked against their chunk digest (where the artifact lists
-    them; the whole digest is checked at the end either way).  A job's broadcast sends
-    them on while later chunks still land (commands.node.broadcast)."""
-
-    blob: str
-    partial: Path
-    size: int
-    chunk_size: int
-    digests: tuple[str, ...]  # the chunk digests the download goes by (none: not listed)
-    upto: int
-
-
-Verified = Callable[[Checked], None]
-
-
-class ChunkHasher:
-    """The sha256 of each ``chunk_size`` piece of a stream fed in pieces of any length."""
-
-    def __init__(self, chunk_size: int) -> None:
-        self.chunk_size = chunk_size
-        self._digests: list[str] = []
-        self._current = hashlib.sha256()
-        self._filled = 0
-
-    def update(self, data: bytes | memoryview) -> None:
-        view = memoryview(data)
-        while view:
-            take = min(len(view), self.chunk_size - self._filled)
-            self._current.update(view[:take])
-            self._filled += take
-            view = view[take:]
-            if self._filled == self.chunk_size:
-                self._digests.append(self._current.hexdigest())
-                self._current, self._filled = hashlib.sha256(), 0
-
-    def digests(self) -> list[str]:
-        """The digests so far, the last (shorter) chunk's included."""
-        return self._digests + ([self._current.hexdigest()] if self._filled else [])
-
-
-def chunk_digests(path: Path, chunk_size: int) -> list[str]:
-    """The sha256 of each ``chunk_size`` piece of the file ``path``, read once."""
-    hasher = ChunkHasher(chunk_size)
-    with open(path, "rb") as source:
-        while block := source.read(READ_CHUNK):
-            hasher.update(block)
-    return hasher.digests()
-
-
-def chunk_count(size: int, chunk_size: int) -> int:
-    return -(-size // chunk_size)
-
-
-def own_chunk_size(size: int, wanted: int = DEFAULT_CHUNK_SIZE) -> int:
-    """The chunk size a fetch (or a publisher) of ``size`` bytes goes by: ``wanted``, or
-    larger (whole MiB) where that would make more than MAX_CHUNKS chunks."""
-    if chunk_count(size, wanted) <= MAX_CHUNKS:
-        return wanted
-    return chunk_count(chunk_count(size, MAX_CHUNKS), 1 << 20) << 20
-
-
-def chunks_problem(size: int, chunk_size: int, digests: Sequence[object]) -> str | None:
-    """Why ``digests`` cannot be (or may not be used as) the chunk digests of a blob of
-    ``size`` bytes (from a manifest anyone who can push may write), or None when they can."""
-    if chunk_size < MIN_CHUNK_SIZE:
-        return f"chunk size {chunk_size} is below the minimum {MIN_CHUNK_SIZE}"
-    if chunk_size > MAX_CHUNK_SIZE:
-        return f"chunk size {chunk_size} is above the maximum {MAX_CHUNK_SIZE}"
-    if len(digests) > MAX_CHUNKS:
-        return f"{len(digests)} chunk digests, at most {MAX_CHUNKS} are taken"
-    if len(digests) != chunk_count(size, chunk_size):
-        return (f"{len(digests)} chunk digests for {size} bytes in chunks of {chunk_size} "
-                f"(expected {chunk_count(size, chunk_size)})")
-    if not all(isinstance(d, str) and _HEX.fullmatch(d) for d in digests):
-        return "a chunk digest is not 64 lowercase hex digits"
-    return None
-
-
-def plan_chunks(blob: str, size: int, chunk_size: int, digests: Sequence[str],
-                say: Callable[[str], None]) -> tuple[int, Sequence[str]]:
-    """The chunk size and digests a fetch of ``size`` bytes goes by: the published ones
-    when within bounds; else (said in one line) its own size, checked by the whole digest
-    alone.  Without digests: ``chunk_size`` (0: DEFAULT_CHUNK_SIZE), raised where it would
-    make more than MAX_CHUNKS."""
-    if digests and (problem := chunks_problem(size, chunk_size, digests)) is not None:
-        own = own_chunk_size(size)
-        say(f"ignored the chunk digests of {blob[:19]}: {problem}; fetching it in ranges of "
-            f"{own >> 20} MiB, verified by the whole digest")
-        return own, ()
-    if digests:
-        return chunk_size, digests
-    return own_chunk_size(size, chunk_size or DEFAULT_CHUNK_SIZE), ()
 
 
 def _single_stream(client: RegistryClient, repository: str, digest: str, partial: Path,
@@ -285,13 +194,49 @@ def _get_range(job: _Download, start: int, end: int) -> tuple[str, int]:
     return hasher.hexdigest(), offset - start
 
 
-def _fetch_chunk(job: _Download, index: int) -> int:
+def _fetch_part(job: _Download, index: int, start: int, end: int, left: list[int]) -> int:
+    """Bytes ``start``-``end`` of chunk ``index`` (one of its ``left[index]`` parts, fetched
+    at once); the connection that lands its last part checks the chunk, read back, and
+    fetches it again whole while it does not match.  The bytes received."""
+    if job.failed.is_set():
+        return 0
+    try:
+        _, received = _get_range_again(job, start, end)
+        with job.lock:
+            left[index] -= 1
+            if left[index]:
+                return received
+        first, last = job.bounds(index)
+        hasher = hashlib.sha256()
+        for offset in range(first, last + 1, READ_CHUNK):
+            hasher.update(os.pread(job.fd, min(READ_CHUNK, last + 1 - offset), offset))
+        got = hasher.hexdigest()
+        expected = job.digests[index] if job.digests and not job.distrusted else None
+        if expected is None or got == expected:
+            job.finished(index)
+            return received
+        job.say(f"chunk {index} (bytes {first}-{last}) of {job.digest[:19]} hashed to "
+                f"sha256:{got}, not the published sha256:{expected}: fetching it again")
+    except BaseException:
+        job.failed.set()
+        raise
+    return received + _fetch_chunk(job, index, {got})
+
+
+def _parts(job: _Download, index: int, count: int) -> list[tuple[int, int]]:
+    """Chunk ``index`` cut into ``count`` byte ranges (fewer for a short last chunk)."""
+    start, end = job.bounds(index)
+    step = max(-(-(end + 1 - start) // count), 1 << 20)
+    return [(lo, min(end, lo + step - 1)) for lo in range(start, end + 1, step)]
+
+
+def _fetch_chunk(job: _Download, index: int, seen: set[str] | None = None) -> int:
     """Fetch chunk ``index`` until it matches its published digest (if any is trusted);
-    the bytes received."""
+    the bytes received.  ``seen``: wrong digests it came with already."""
     if job.failed.is_set():
         return 0
     start, end = job.bounds(index)
-    received, seen = 0, set()
+    received, seen = 0, seen or set()
     try:
         for attempt in range(1, CHUNK_TRIES + 1):
             got, count = _get_range_again(job, start, end)
@@ -390,7 +335,13 @@ def _run(job: _Download, connections: int) -> int:
         job.ready[index].set()
     missing = [i for i in range(count) if i not in job.record.done]
     with ThreadPoolExecutor(connections, thread_name_prefix="blob-range") as pool:
-        futures: list[Future[int]] = [pool.submit(_fetch_chunk, job, i) for i in missing]
+        if job.verified is not None:  # followed: every connection on the next chunk's parts
+            left = [len(_parts(job, i, connections)) for i in range(count)]
+            futures: list[Future[int]] = [pool.submit(_fetch_part, job, i, lo, hi, left)
+                                          for i in missing
+                                          for lo, hi in _parts(job, i, connections)]
+        else:
+            futures = [pool.submit(_fetch_chunk, job, i) for i in missing]
         try:
             whole = _hash_in_order(job, count)
         except BaseException:

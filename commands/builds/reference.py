@@ -179,11 +179,6 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
                               "(enroot.sbcast_fanout)"),
     "IMGPIPE_SBCAST_BLOCK": ("all (node-local caches)", "sbcast's block size "
                              "(enroot.sbcast_block)"),
-    "IMGPIPE_BCAST_ALGORITHM": ("all (node-local caches)", "Open MPI's broadcast algorithm "
-                                "for enroot.distribution broadcast (coll_tuned_bcast_"
-                                "algorithm; default 3, the pipeline)"),
-    "IMGPIPE_BCAST_SEGMENT": ("all (node-local caches)", "that broadcast's segment size in "
-                              "bytes (default 4194304)"),
 }
 IMPORTER_ENVIRONMENT: dict[str, str] = {
     "IMGPIPE_CONFIG": "the one config file the importer reads (default "

@@ -4,8 +4,9 @@ nothing of the build side (commands/builds/, imgpipe.pipeline) or the demo.
 
 Imports go down:
 
-    broadcast       ``broadcast``: one image onto every node of a job at once (MPI), where
-                    caches are node-local
+    broadcast       ``broadcast``: one image onto every node of a job at once, where caches
+                    are node-local (a chain of TCP connections that MPI sets up)
+    batchfetch      the broadcast's fetch on the batch host, in a process of its own
 
     fanout          ``stage`` and ``take`` around Slurm's sbcast, where caches are node-local
     foreign         another registry's image, imported as Pyxis does without an importer

@@ -4,59 +4,87 @@ broadcast``): the importer's ``broadcast URI``, one task per node in one
 
 Every task first looks for its node's entry (``fast_get``): a node that holds one takes no
 part and receives nothing.  The batch host's task (rank 0) fetches the pinned squashfs as any
-node would, and sends each unit of the file as soon as its ranged fetch has checked it
-(registry.ranges tells it, chunk by chunk, in order); MPI's pipelined broadcast has every
-node forward a unit while it receives the next, and each node writes and hashes it on a
-thread of its own (``enroot.published.relay``), so no pass over the file is left at the end.
-A final gather tells the batch host which nodes took the copy, which it says in one line; a
-node whose copy failed says why in one line and fetches for itself, from the first chunk
-that differs.
+node would, and sends each segment of the file as soon as its ranged fetch has checked it
+(registry.ranges tells it, chunk by chunk, in order) down a chain of the other nodes in
+their order (``enroot.published.chain``: a TCP connection from each node to the next, which
+MPI sets up: where each node listens, and the batch host's random token that a connection
+must say first); each node sends every message on as it lands and gathers the messages into
+units that it writes and hashes on a thread of its own (``enroot.published.relay``), so no
+pass over the file is left at the end.  A final gather tells the batch host which nodes took
+the copy, which it says in one line (and, with IMGPIPE_BROADCAST_STAGES set, every node's
+stage times in a second, machine-readable one); a node whose copy failed says why in one
+line and fetches for itself, from the first chunk that differs.
 
-The bytes travel over MPI's connections, which nobody authenticates: a receiver takes only
-bytes that hash to a pin of its own environment and pass the contents check a fetch passes,
-and reads fixed-size buffers only (never a pickled object: unpickling runs code).  Every
-message has one size (UNIT and a trailer), so a receiver that refuses the stream still takes
-part to its end and the job never hangs on it.
+The bytes come from a peer nobody authenticated beyond the token (which crossed MPI's
+unencrypted connections): a receiver takes only bytes that hash to a pin of its own
+environment and pass the contents check a fetch passes, and reads fixed-size buffers only
+(never a pickled object: unpickling runs code).  Every message has one size (a segment and
+a trailer), so a node that refuses the stream still forwards it to its end and the job never
+hangs on it; a waiting node sleeps in the kernel or between polls of MPI (N waiting tasks on
+one machine do not spin its cores), and a node that sees nothing move for chain.STALL_S
+seconds, or whose neighbour hangs up, ends the step, which the recipes then stage with
+sbcast.
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import importlib.util
-import json
 import os
+import secrets
 import socket
 import struct
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from imgpipe.base.errors import ImgpipeError
 from imgpipe.base.units import human_bytes
+from imgpipe.commands.node.batchfetch import BatchFetch
 from imgpipe.commands.node.fanout import node_settings, pinned_reference
 from imgpipe.commands.node.importer import fast_get, get, say
 from imgpipe.commands.shared.wiring import storage
 from imgpipe.enroot.cache.storage import Storage
+from imgpipe.enroot.published.chain import (
+    ENDPOINT,
+    SEGMENT,
+    TOKEN,
+    StalledError,
+    accept,
+    connect,
+    forward,
+    listen,
+    own_address,
+    read_endpoint,
+    send,
+    stamp,
+)
 from imgpipe.enroot.published.pins import Pins
 from imgpipe.enroot.published.relay import (
     HEADER_MAX,
-    UNIT,
+    SLOT,
+    Assembler,
     Header,
+    NodeTimes,
     Prefix,
     Receiver,
     RelayError,
+    gather_slot,
+    read_slot,
+    stages_line,
 )
-from imgpipe.registry.ranges import Checked
 
 DEBIAN_MPI4PY = Path("/usr/lib/python3/dist-packages/mpi4py")
 MPI_HINT = ("apt-get install openmpi-bin python3-mpi4py (and libpmix-dev, which Slurm's "
             "pmix plugin loads), or set enroot.distribution: sbcast")
-TRAILER = struct.Struct("<qqq")  # each unit ends with: its offset (-1: stop), length, size
-_MESSAGE = UNIT + TRAILER.size
+STAGES_ENV = "IMGPIPE_BROADCAST_STAGES"  # set: the batch host says every node's stage times
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-_NAME = 64  # bytes per node in the final gather: "1" (took it) or "0", then its name
+_NAME = SLOT  # bytes per node in the final gather (relay.gather_slot)
+_DONE = 62  # the tag of the "checked" tokens that end the broadcast
+_WAIT_NAP = 0.002  # the longest sleep between polls of the header, a token (libnbc's
+# Ibcast moves only inside a poll: each of its log2(N) rounds may wait one nap)
 
 
 def load_mpi() -> Any:
@@ -86,20 +114,22 @@ def broadcast(uri: str) -> Path:
     """This node's entry of ``uri`` once the job's broadcast is over: held already,
     received, or fetched by this node (said in one line).  Raises ImgpipeError when MPI
     cannot start here (the recipes then stage with sbcast)."""
+    # a crash inside MPI's native code names the Python line it came from in the job's output
+    faulthandler.enable()
     settings = node_settings()
     ref = pinned_reference(uri, settings)
     manifest = ref.digest or ""
     found = fast_get(uri)
     # The step's first task runs on the batch host and sends (MPI's rank 0 under srun):
     # its fetch starts at once, while the other nodes' tasks still start.
-    fetch = _Fetch(uri, found) if os.environ.get("SLURM_PROCID") == "0" else None
+    fetch = BatchFetch(uri, found) if os.environ.get("SLURM_PROCID") == "0" else None
     mpi = load_mpi()
     world = mpi.COMM_WORLD
     here = socket.gethostname()
     pins = Pins.from_env().for_image(manifest)
     root = world.Get_rank() == 0
     if root and fetch is None:
-        fetch = _Fetch(uri, found)
+        fetch = BatchFetch(uri, found)
     if fetch is not None:
         fetch.follow()
         if not root:  # not the sender after all: this node has fetched
@@ -122,8 +152,13 @@ def broadcast(uri: str) -> Path:
             if root and fetch is not None:
                 if team.Get_size() == 1:  # every other node holds it
                     return fetch.result()
-                return _send(mpi, team, fetch, pins, here)
-            copy = _receive(mpi, team, cache, ref.repository, pins)
+                return _send(mpi, team, fetch, pins, here, settings.registry.host)
+            copy = _receive(mpi, team, cache, ref.repository, pins,
+                            settings.registry.host)
+        except StalledError as exc:  # a node gone quiet or gone: the step ends, sbcast stages it
+            say(f"{here}: {exc.message}: ending the broadcast")
+            world.Abort(1)
+            raise
         finally:
             team.Free()
     if isinstance(copy, Path):
@@ -147,99 +182,60 @@ def _hold(held: contextlib.ExitStack, cache: Storage, manifest: str, pins: froze
 
 
 def _bcast_header(mpi: Any, team: Any, header: Header | None) -> bytes:
-    """The header from the root to every member: a length, then that many bytes."""
+    """The header from the root to every member: a length, then that many bytes (empty
+    where there is none, or one too long: on every member alike)."""
     data = header.encode() if header is not None else b""
     length = bytearray(struct.pack("<q", len(data)))
-    team.Bcast([length, mpi.BYTE], root=0)
+    _wait(team.Ibcast([length, mpi.BYTE], root=0), "the batch host's first chunk")
     (count,) = struct.unpack("<q", length)
     if not 0 < count <= HEADER_MAX:
         return b""
     buffer = bytearray(data) if header is not None else bytearray(count)
-    team.Bcast([buffer, mpi.BYTE], root=0)
+    _wait(team.Ibcast([buffer, mpi.BYTE], root=0), "the batch host's header")
     return bytes(buffer)
 
 
-class _Fetch:
-    """The batch host's fetch (nothing when it holds the entry), in a process of its own
-    forked before MPI starts: Open MPI's start beside a thread already running (the fetch's)
-    crashed the task (SIGSEGV) in the sandbox, and forked first the fetch runs while the
-    other nodes' tasks still start.  It tells ``prefix`` what it has checked through a
-    pipe, a JSON line per chunk, and its entry last."""
-
-    def __init__(self, uri: str, found: Path | None) -> None:
-        self.prefix = Prefix()
-        self.failed = False
-        self.started = time.monotonic()
-        self._pid, self._pipe = 0, -1
-        if found is not None:
-            self.prefix.finish(found)
-            return
-        read, write = os.pipe()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:  # the child fetches and never returns into the caller
-            code = 1
-            try:
-                os.close(read)
-                code = _fetch_and_tell(uri, write)
-            finally:
-                os._exit(code)
-        os.close(write)
-        self._pid, self._pipe = pid, read
-
-    def follow(self) -> None:
-        """Hear the fetch (a thread: start it once MPI has started)."""
-        if self._pipe >= 0:
-            threading.Thread(target=self._hear, name="broadcast-fetch", daemon=True).start()
-
-    def _hear(self) -> None:
-        entry, digests = None, ()
-        with os.fdopen(self._pipe, "rb") as words:
-            for line in words:
-                word = json.loads(line)
-                if "entry" in word:
-                    entry = Path(word["entry"])
-                    continue
-                digests = tuple(word.get("digests", digests))
-                self.prefix(Checked(word["blob"], Path(word["partial"]), word["size"],
-                                    word["chunk_size"], digests, word["upto"]))
-        _, status = os.waitpid(self._pid, 0)
-        self.failed = status != 0 or entry is None
-        self.prefix.finish(None if self.failed else entry)
-
-    def result(self) -> Path:
-        """The entry, once the fetch is over; ImgpipeError else (the fetch said why)."""
-        entry = self.prefix.ended()
-        if self.failed or entry is None:
-            raise ImgpipeError("the batch host's fetch failed (said above)")
-        return entry
+def _wait(request: Any, what: str) -> None:
+    """Wait for one MPI request, sleeping between polls (MPI's own wait spins a core):
+    from 50 us, doubling up to _WAIT_NAP."""
+    nap = 50e-6
+    while not request.Test():
+        time.sleep(nap)
+        nap = min(2 * nap, _WAIT_NAP)
 
 
-def _fetch_and_tell(uri: str, fd: int) -> int:
-    """The fetch's process: ``get`` with each checked chunk told on ``fd``; its exit code."""
-    with os.fdopen(fd, "wb", buffering=0) as out:
-        told = False
+def _chain(mpi: Any, team: Any, toward: str) -> tuple[socket.socket | None,
+                                                       socket.socket | None]:
+    """This node's connections in the chain (``enroot.published.chain``): from the node
+    before it (None at the batch host), to the node after it (None at the last).  Every
+    receiving node listens on its address toward ``toward`` (the registry's host); the batch
+    host's random token and every node's address go round by MPI; each node connects to the
+    next and takes from the one before only the connection that says the token."""
+    rank, size = team.Get_rank(), team.Get_size()
+    token = bytearray(secrets.token_bytes(TOKEN) if rank == 0 else TOKEN)
+    listener, endpoint = None, bytearray(ENDPOINT)
+    if rank > 0:
+        listener, endpoint = listen(own_address(toward))
+    try:
+        _wait(team.Ibcast([token, mpi.BYTE], root=0), "the batch host's token")
+        endpoints = bytearray(ENDPOINT * size)
+        _wait(team.Iallgather([endpoint, mpi.BYTE], [endpoints, mpi.BYTE]),
+              "the other nodes' addresses")
+        out = None
+        if rank + 1 < size:
+            place = (rank + 1) * ENDPOINT
+            out = connect(read_endpoint(endpoints[place:place + ENDPOINT]), bytes(token))
+        inp = accept(listener, bytes(token)) if listener is not None else None
+    finally:
+        if listener is not None:
+            listener.close()
+    return inp, out
 
-        def tell(checked: Checked) -> None:
-            nonlocal told
-            word: dict[str, object] = {
-                "blob": checked.blob, "partial": str(checked.partial), "size": checked.size,
-                "chunk_size": checked.chunk_size, "upto": checked.upto}
-            if not told:  # the chunk list once (up to 4,096 digests)
-                word["digests"], told = list(checked.digests), True
-            out.write(json.dumps(word).encode() + b"\n")
 
-        try:
-            entry = get(uri, verified=tell)
-        except (ImgpipeError, OSError) as exc:
-            print(f"imgpipe: error: {exc}", file=sys.stderr, flush=True)
-            return 1
-        out.write(json.dumps({"entry": str(entry)}).encode() + b"\n")
-    return 0
-
-
-def _send(mpi: Any, team: Any, fetch: _Fetch, pins: frozenset[str], here: str) -> Path:
-    """The batch host: send every unit its fetch checked (or the entry it held)."""
+def _send(mpi: Any, team: Any, fetch: BatchFetch, pins: frozenset[str], here: str,
+          toward: str) -> Path:
+    """The batch host: send every segment its fetch checked (or of the entry it held)."""
+    times = {"ready": time.time()}  # the team is made: every task's MPI has started
     prefix, started = fetch.prefix, fetch.started
     checked = prefix.started()
     header, source = None, prefix.entry
@@ -257,45 +253,61 @@ def _send(mpi: Any, team: Any, fetch: _Fetch, pins: frozenset[str], here: str) -
             entry = prefix.ended() if checked is not None else None
             if entry is not None and checked is not None and checked.blob[7:] in entry.name:
                 fd, following = os.open(entry, _READ), False
-    _bcast_header(mpi, team, header if fd is not None else None)
+    told = _bcast_header(mpi, team, header if fd is not None else None)
+    times["header"] = time.time()
     try:
-        sent = header is not None and fd is not None and _send_units(
-            mpi, team, header, fd, prefix, following)
+        sent = False
+        if told and header is not None and fd is not None:
+            _, out = _chain(mpi, team, toward)
+            assert out is not None  # the team has a second member
+            with out:
+                sent = _send_units(out, header, fd, prefix, following, times)
     finally:
         if fd is not None:
             os.close(fd)
+    _after_the_rest(mpi, team)
+    times["all_checked"] = time.time()
     names = bytearray(_NAME * team.Get_size())
     team.Gather([bytearray(_NAME), mpi.BYTE], [names, mpi.BYTE], root=0)
-    nodes = [names[i:i + _NAME].rstrip(b"\0").decode(errors="replace")
-             for i in range(_NAME, len(names), _NAME)]
-    took = sorted(n[1:] for n in nodes if n.startswith("1"))
-    fetch_here = sorted(n[1:] for n in nodes if not n.startswith("1"))
+    times["gathered"] = time.time()
+    nodes = [read_slot(names[i:i + _NAME]) for i in range(_NAME, len(names), _NAME)]
+    took = sorted(name for ok, name, _ in nodes if ok)
+    fetch_here = sorted(name for ok, name, _ in nodes if not ok)
     what = f"{header.blob[:19]}… ({human_bytes(header.size)})" if header else "nothing"
     say(f"{here}: broadcast {what}{'' if sent else ', stopped early'} in "
         f"{time.monotonic() - started:.1f} s: "
         f"{len(took)} node(s) took it ({', '.join(took) or 'none'})"
         + (f"; fetching for themselves: {', '.join(fetch_here)}" if fetch_here else ""))
+    if os.environ.get(STAGES_ENV):
+        prefix.ended()  # the fetch's own end is one of the stages
+        times.update(first_chunk=prefix.first_at, fetch=prefix.done_at)
+        say(f"{here}: " + stages_line(fetch.began, times, [t for _, _, t in nodes]))
     return fetch.result()
 
 
-def _send_units(mpi: Any, team: Any, header: Header, fd: int, prefix: Prefix,
-                following: bool) -> bool:
-    """Send every unit of the file ``fd`` reads (``following``: as the fetch checks it);
-    False when the fetch stopped first (the receivers were told)."""
-    buffer = bytearray(_MESSAGE)
-    for index in range(header.units()):
-        offset, length = index * UNIT, header.unit_length(index)
+def _send_units(out: socket.socket, header: Header, fd: int, prefix: Prefix,
+                following: bool, times: dict[str, float] | None = None) -> bool:
+    """Send every segment of the file ``fd`` reads (``following``: as the fetch checks it)
+    down the chain; False when the fetch stopped first (the receivers were told)."""
+    stopped = False
+
+    def fill(buffer: bytearray, index: int) -> bool:
+        nonlocal stopped
+        offset = index * SEGMENT
+        length = min(SEGMENT, header.size - offset)
         ready = not following or prefix.wait(header.blob, offset + length) \
             or _same_file(fd, prefix.entry, header.size)
         if ready and os.preadv(fd, [memoryview(buffer)[:length]], offset) == length:
-            TRAILER.pack_into(buffer, UNIT, offset, length, header.size)
-        else:
-            ready = False
-            TRAILER.pack_into(buffer, UNIT, -1, 0, header.size)
-        team.Bcast([buffer, mpi.BYTE], root=0)
-        if not ready:
-            return False
-    return True
+            stamp(buffer, offset, length, header.size)
+            return offset + length >= header.size
+        stopped = True
+        stamp(buffer, -1, 0, header.size)
+        return True
+
+    moved = send(out, fill)
+    if times is not None:
+        times.update(sent_first=moved.first_at, sent_last=moved.last_at)
+    return not stopped
 
 
 def _same_file(fd: int, entry: Path | None, size: int) -> bool:
@@ -310,11 +322,13 @@ def _same_file(fd: int, entry: Path | None, size: int) -> bool:
     return False
 
 
-def _receive(mpi: Any, team: Any, cache: Storage, repository: str, pins: frozenset[str]
-             ) -> Path | str:
-    """A node without the entry: every unit into its own partial download, written and
-    hashed as it arrives; the entry, or why not."""
+def _receive(mpi: Any, team: Any, cache: Storage, repository: str, pins: frozenset[str],
+             toward: str) -> Path | str:
+    """A node without the entry: every segment received, forwarded to the next node and
+    gathered into units that are written and hashed as they arrive; the entry, or why
+    not."""
     here = socket.gethostname()
+    times = NodeTimes(ready=time.time())  # the team is made: every task's MPI has started
     receiver: Receiver | None = None
     why = ""
     raw = _bcast_header(mpi, team, None)
@@ -324,30 +338,43 @@ def _receive(mpi: Any, team: Any, cache: Storage, repository: str, pins: frozens
         header = Header.decode(raw)
         header.check(pins)
         receiver = Receiver(header, cache.partial_download(header.blob),
-                            cache.fetched(repository, header.blob), cache.entry_mode,
-                            spare=TRAILER.size)
+                            cache.fetched(repository, header.blob), cache.entry_mode)
     except (RelayError, ImgpipeError, OSError) as exc:
         why = f"nothing this node can take came ({exc})"
-    buffer = receiver.buffer() if receiver is not None else bytearray(_MESSAGE)
-    while raw:
-        team.Bcast([buffer, mpi.BYTE], root=0)
-        offset, length, size = TRAILER.unpack_from(buffer, UNIT)
-        last = offset < 0 or offset + length >= size or not 0 < length <= UNIT
-        if receiver is not None and not why:
-            if offset != receiver.queued or length != receiver.header.unit_length(
-                    offset // UNIT) or size != receiver.header.size:
-                why = "the batch host stopped sending" if offset < 0 else \
-                    f"a unit at byte {offset} of {size} came out of order"
-            else:
-                receiver.put(buffer, length)
-                buffer = receiver.buffer()
-        if last:
-            break
+    assembler = Assembler(receiver) if receiver is not None else None
+    if raw:
+        inp, out = _chain(mpi, team, toward)
+        assert inp is not None  # a receiving node has a node before it
+        with inp, out or contextlib.nullcontext():
+            moved = forward(inp, out, assembler.take if assembler is not None else _passing)
+        times.first, times.last = moved.first_at, moved.last_at
     copy: Path | str = why
-    if receiver is not None:
+    if receiver is not None and assembler is not None:
+        assembler.flush()
+        why = why or assembler.why
         copy = receiver.abandon(why) if why else receiver.finish()
-    name = (b"1" if isinstance(copy, Path) else b"0") + here.encode()[:_NAME - 1]
-    team.Gather([bytearray(name.ljust(_NAME, b"\0")), mpi.BYTE], None, root=0)
+    times.checked = time.time()
+    _after_the_rest(mpi, team)
+    team.Gather([gather_slot(isinstance(copy, Path), here, times), mpi.BYTE], None, root=0)
     return copy
 
 
+def _passing(message: bytearray) -> None:
+    """A node that takes nothing: every message only passes through."""
+
+
+def _after_the_rest(mpi: Any, team: Any) -> None:
+    """Wait, asleep, until every node below this one in a binary tree of the team (rank r
+    hears 2r and 2r+1; rank 1 is the batch host's only child) has its copy checked, then
+    tell the one above: nobody spins in the final gather (MPI's wait) while others still
+    check (the sandbox's hosts share two cores), and the word takes log2(N) hops, not N.
+    A token nobody waits for (a sender that does not) is one small message left unread:
+    its send ends without it."""
+    rank, size = team.Get_rank(), team.Get_size()
+    below = [1] if rank == 0 else [c for c in (2 * rank, 2 * rank + 1) if c < size]
+    tokens = [bytearray(1) for _ in below]
+    for child, token in zip(below, tokens, strict=True):
+        _wait(team.Irecv([token, mpi.BYTE], source=child, tag=_DONE), "the nodes after it")
+    if rank > 0:
+        _wait(team.Isend([bytearray(1), mpi.BYTE], dest=rank // 2, tag=_DONE),
+              "the node above")

@@ -1,16 +1,23 @@
 """A published squashfs relayed between the nodes of one job (``enroot.distribution:
-broadcast``), whatever carries the bytes (``commands.node.broadcast``: MPI's broadcast).
+broadcast``), whatever carries the bytes (``commands.node.broadcast``: a chain of TCP
+connections, ``enroot.published.chain``).
 
 The batch host's fetch tells ``Prefix`` how far it has written and checked the file
-(registry.ranges, chunk by chunk in order), and the sender sends each unit of the file as
-soon as it is inside that prefix, while later chunks still arrive from the registry.  Every
-other node writes each unit it receives into its own partial download of the blob (the file
-a fetch of its own would have written, in its private folder) and hashes it on a thread of
-its own (``Receiver``), so the last unit's hash ends a moment after the last byte arrives:
-no pass over the whole file is left.
+(registry.ranges, chunk by chunk in order), and the sender sends each segment of the file
+(``enroot.published.chain``) as soon as it is inside that prefix, while later chunks still
+arrive from the registry.  Every other node gathers the segments into units (``Assembler``)
+and writes each unit into its own partial download of the blob (the file a fetch of its own
+would have written, in its private folder) and hashes it on a thread of its own
+(``Receiver``), so the last unit's hash ends a moment after the last byte arrives: no pass
+over the whole file is left, and a slow disk holds up the stream only once every unit
+buffer is being written.
+
+Each node's stage times travel back in the final gather (``NodeTimes``, one SLOT each), and
+the batch host can say them all in one machine-readable line (``stages_line``,
+``parse_stages``: what bench/bench_fanout.py reads).
 
 A receiver trusts nothing it is sent but bytes: the job's own connections are not
-authenticated (MPI's TCP transport answers whoever knows the port), so the blob must be a
+authenticated beyond a token that crossed MPI's unencrypted transport, so the blob must be a
 pin of the receiver's own environment (``Header.check``), the bytes must hash to it, and the
 file must pass the same contents check as a fetch (``publish_partial``) before it becomes
 the entry.  Anything else is said in one line; the partial file keeps the chunks before the
@@ -24,21 +31,26 @@ import hashlib
 import json
 import os
 import queue
+import re
 import shutil
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from imgpipe.base.directio import DirectWriter
 from imgpipe.base.errors import ImgpipeError
 from imgpipe.enroot.published.artifact import publish_partial
+from imgpipe.enroot.published.chain import SEGMENT, trailer
 from imgpipe.registry.chunkrecord import sidecar_path
 from imgpipe.registry.ranges import Checked, chunks_problem
 from imgpipe.registry.transfer import open_partial
 
-UNIT = 8 << 20  # bytes per message: what each node forwards while it receives the next
+UNIT = 8 << 20  # bytes a receiver writes and hashes at a time (a multiple of SEGMENT)
 HEADER_MAX = 1 << 20  # 4,096 chunk digests and the rest fit in a third of it
-BUFFERS = 3  # units a receiver holds: one arriving, two being written and hashed
+BUFFERS = 3  # units a receiver holds: one filling, two being written and hashed
+SLOT = 256  # bytes per node in the final gather: took it or not, its name, its times
+STAGES = "broadcast stages "  # how the batch host's line of stage times starts
 
 
 class RelayError(ValueError):
@@ -99,17 +111,20 @@ class Prefix:
         self.checked: Checked | None = None
         self.done = False
         self.entry: Path | None = None  # what the fetch made (None: it failed)
+        self.first_at = 0.0  # when the first chunk was checked (seconds since the epoch)
+        self.done_at = 0.0  # when the fetch ended
 
     def __call__(self, checked: Checked) -> None:
         with self._ready:
             if self.checked is None or checked.blob != self.checked.blob \
                     or checked.upto > self.checked.upto:
+                self.first_at = self.first_at or time.time()
                 self.checked = checked
             self._ready.notify_all()
 
     def finish(self, entry: Path | None) -> None:
         with self._ready:
-            self.done, self.entry = True, entry
+            self.done, self.entry, self.done_at = True, entry, time.time()
             self._ready.notify_all()
 
     def ended(self) -> Path | None:
@@ -128,12 +143,18 @@ class Prefix:
     def wait(self, blob: str, end: int) -> bool:
         """Whether the bytes before ``end`` of ``blob`` are checked (waits until they are,
         or the fetch ended)."""
+        return bool(self.poll(blob, end, None))
+
+    def poll(self, blob: str, end: int, timeout: float | None) -> bool | None:
+        """Whether the bytes before ``end`` of ``blob`` are checked: True, False (the fetch
+        ended first) or None (not yet, after waiting up to ``timeout`` seconds)."""
         with self._ready:
             def there() -> bool:
                 return self.checked is not None and self.checked.blob == blob \
                     and self.checked.upto >= end
-            self._ready.wait_for(lambda: there() or self.done)
-            return there()
+            self._ready.wait_for(lambda: there() or self.done, timeout)
+            return True if there() else False if self.done else None
+
 
 
 class Receiver:
@@ -254,6 +275,47 @@ class Receiver:
         return f"{why}; fetching it from the registry"
 
 
+class Assembler:
+    """The chain's messages, in order, into a Receiver's units (``take``: each message's
+    bytes copied into a free unit buffer, every whole unit handed over).  A message that is
+    not the next one, or a stop, ends the taking with why (``why``); the messages after it
+    are still forwarded by the chain, only not taken."""
+
+    def __init__(self, receiver: Receiver) -> None:
+        assert UNIT % SEGMENT == 0
+        self.receiver = receiver
+        self.offset = 0  # bytes taken
+        self.why = ""
+        self._unit: bytearray | None = None
+        self._filled = 0
+
+    def take(self, message: bytearray) -> None:
+        """Take one message (its bytes copied: the caller reuses ``message``); waits while
+        every unit buffer is being written, so a slow disk holds up the chain."""
+        header = self.receiver.header
+        if self.why or self.offset >= header.size:
+            return
+        offset, length, size = trailer(message)
+        if offset != self.offset or length != min(SEGMENT, header.size - offset) \
+                or size != header.size:
+            self.why = "the batch host stopped sending" if offset < 0 else \
+                f"a message at byte {offset} of {size} came out of order"
+            return
+        if self._unit is None:  # waits while every unit buffer is being written
+            self._unit = self.receiver.buffer()
+        self._unit[self._filled:self._filled + length] = memoryview(message)[:length]
+        self._filled += length
+        self.offset += length
+        if self._filled == UNIT or self.offset == header.size:
+            self.flush()
+
+    def flush(self) -> None:
+        """Hand over the unit being filled, whole or not (the stream ended)."""
+        if self._unit is not None and self._filled:
+            self.receiver.put(self._unit, self._filled)
+            self._unit, self._filled = None, 0
+
+
 def _sha256_range(fd: int, start: int, end: int) -> str:
     hasher, offset = hashlib.sha256(), start
     while offset < end:
@@ -263,3 +325,83 @@ def _sha256_range(fd: int, start: int, end: int) -> str:
         hasher.update(block)
         offset += len(block)
     return hasher.hexdigest()
+
+
+@dataclass
+class NodeTimes:
+    """When a receiving node got to each stage (seconds since the epoch; 0: never): the
+    job's MPI step ready, the first and the last message, its copy checked (or refused)."""
+
+    ready: float = 0.0
+    first: float = 0.0
+    last: float = 0.0
+    checked: float = 0.0
+
+
+def gather_slot(took: bool, name: str, times: NodeTimes) -> bytearray:
+    """What a receiving node sends the batch host at the end: SLOT bytes, "1" (it took the
+    copy) or "0", its name, a NUL, its times as JSON."""
+    stamps = json.dumps({k: round(v, 3) for k, v in asdict(times).items()},
+                        separators=(",", ":")).encode()
+    slot = (b"1" if took else b"0") + name.encode()[:63] + b"\0" + stamps
+    return bytearray(slot[:SLOT].ljust(SLOT, b"\0"))
+
+
+def read_slot(raw: bytes | bytearray) -> tuple[bool, str, NodeTimes]:
+    """A gather slot as ``gather_slot`` wrote it (bytes from an unauthenticated peer: what
+    does not parse reads as no times)."""
+    name, _, stamps = bytes(raw).rstrip(b"\0").partition(b"\0")
+    times = NodeTimes()
+    try:
+        fields = json.loads(stamps) if stamps else {}
+        times = NodeTimes(**{k: float(fields.get(k, 0.0)) for k in asdict(times)})
+    except (ValueError, TypeError, AttributeError):
+        pass
+    text = name.decode(errors="replace")
+    return text.startswith("1"), text[1:], times
+
+
+def per_hop(arrivals: list[float | None]) -> float | None:
+    """The seconds each hop adds: the least-squares slope of when something reached each
+    node against its place in the chain (None with fewer than two nodes)."""
+    points = [(place, t) for place, t in enumerate(arrivals, 1) if t is not None]
+    if len(points) < 2:
+        return None
+    mean_x = sum(x for x, _ in points) / len(points)
+    mean_t = sum(t for _, t in points) / len(points)
+    spread = sum((x - mean_x) ** 2 for x, _ in points)
+    return round(sum((x - mean_x) * (t - mean_t) for x, t in points) / spread, 4)
+
+
+def stages_line(start: float, sender: dict[str, float], nodes: list[NodeTimes]) -> str:
+    """The batch host's line of stage times, in seconds since ``start`` (its fetch began;
+    itself given as seconds since the epoch): its own stages (``sender``), each receiving
+    node's in chain order, the last node's, and the cost of a hop."""
+    def since(t: float) -> float | None:
+        return round(t - start, 3) if t else None
+
+    def latest(values: list[float | None]) -> float | None:
+        return max((v for v in values if v is not None), default=None)
+
+    columns = {k: [since(getattr(n, k)) for n in nodes] for k in ("ready", "first", "last",
+                                                                   "checked")}
+    fields: dict[str, object] = {"start": round(start, 3), "nodes": len(nodes)}
+    fields.update({k: since(v) for k, v in sender.items()})
+    fields.update({"ready_last": latest(columns["ready"] + [since(sender.get("ready", 0.0))]),
+                   "first_byte_last_node": latest(columns["first"]),
+                   "last_unit": latest(columns["last"]),
+                   "final_check": latest(columns["checked"]),
+                   "per_hop_s": per_hop(columns["first"]),
+                   "per_hop_last_s": per_hop(columns["last"])})
+    fields.update({f"{k}_by_node": v for k, v in columns.items()})
+    return STAGES + json.dumps(fields, separators=(",", ":"))
+
+
+def parse_stages(text: str) -> dict[str, object] | None:
+    """The last line of stage times in ``text`` (a job's output), or None."""
+    found = re.findall(re.escape(STAGES) + r"(\{.*\})\s*$", text, re.M)
+    try:
+        fields = json.loads(found[-1]) if found else None
+    except ValueError:
+        return None
+    return fields if isinstance(fields, dict) else None

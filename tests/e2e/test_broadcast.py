@@ -241,7 +241,7 @@ def test_a_broken_chunk_on_one_node_is_fetched_again_there(hosts, site, image) -
 def test_another_users_bytes_in_the_batch_hosts_place_are_refused(
         hosts, site, image, claims: str, said: str) -> None:
     """bob's bytes reach alice's nodes through the job's broadcast in place of the batch
-    host's (a sender that is not hers: MPI's connections are not authenticated), naming
+    host's (a sender that is not hers: the chain trusts whoever says the token), naming
     his own blob or alice's pin: every node refuses them in one line, fetches for itself
     and holds the pinned bytes; nothing of bob's becomes an entry."""
     _clear(hosts)
@@ -256,13 +256,15 @@ def test_another_users_bytes_in_the_batch_hosts_place_are_refused(
         "from pathlib import Path\n"
         "from imgpipe.commands.node import broadcast as b\n"
         "from imgpipe.enroot.published.relay import Header, Prefix\n"
-        "def bobs(mpi, team, fetch, pins, here):\n"
+        "def bobs(mpi, team, fetch, pins, here, toward):\n"
         f"    source = Path({str(image['bobs'])!r})\n"
         f"    header = Header({blob!r}, source.stat().st_size)\n"
         "    b._bcast_header(mpi, team, header)\n"
         "    prefix = Prefix()\n"
         "    prefix.finish(source)\n"
-        "    b._send_units(mpi, team, header, os.open(source, os.O_RDONLY), prefix, False)\n"
+        "    _, out = b._chain(mpi, team, toward)\n"
+        "    b._send_units(out, header, os.open(source, os.O_RDONLY), prefix, False)\n"
+        "    b._after_the_rest(mpi, team)\n"
         "    names = bytearray(b._NAME * team.Get_size())\n"
         "    team.Gather([bytearray(b._NAME), mpi.BYTE], [names, mpi.BYTE], root=0)\n"
         "    return fetch.result()\n"

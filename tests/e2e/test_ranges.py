@@ -38,7 +38,7 @@ from imgpipe.enroot.published.artifact import (
     publish,
 )
 from imgpipe.enroot.published.policy import Fetched, PublishedPolicy, fetch_trusted
-from imgpipe.registry import ranges
+from imgpipe.registry import chunks
 from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.errors import DigestMismatchError, RegistryError
 from imgpipe.registry.mediatypes import OCI_MANIFEST
@@ -181,7 +181,7 @@ def blob(registry_server: services.RegistryProcess, tmp_path: Path,
     """A squashfs published with chunk digests of CHUNK bytes beside a fresh image (the
     minimum chunk size lowered to CHUNK, so that 4.5 MB are many chunks; the tests of the
     bounds themselves, at the end, keep the real one)."""
-    monkeypatch.setattr(ranges, "MIN_CHUNK_SIZE", CHUNK)
+    monkeypatch.setattr(chunks, "MIN_CHUNK_SIZE", CHUNK)
     session, url = services.plain_session(), registry_server.url
     repository = f"ranges/{tmp_path.name.lower().replace('_', '-')[:40]}"
     digest = services.push_image(session, url, repository, "v1",
@@ -342,7 +342,7 @@ def test_without_chunk_digests_a_bad_range_redoes_the_whole_download(
     said.clear()
     client = RegistryClient(registry_server.url)
     fetch(client, storage, old, tmp_path / "old.sqsh", None, connections=4, say=said.append)
-    assert (tmp_path / "old.sqsh").read_bytes() == blob.data  # under 2 chunks of 64 MiB
+    assert (tmp_path / "old.sqsh").read_bytes() == blob.data  # under 1 chunk of 16 MiB
     assert said == []
 
 
@@ -377,7 +377,7 @@ def test_a_plain_registry_answers_ranges_with_206(registry_server: services.Regi
 
 
 # -- what a pusher's artifact can cost a pinned fetch (issue #53, points 4 and 5) -----------
-# The file is two of the fetch's own 64 MiB chunks, so its genuine artifact is 2 ranges.
+# The file is two chunks of 64 MiB, so its genuine artifact published with them is 2 ranges.
 
 @pytest.fixture(scope="module")
 def big_squashfs(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -443,7 +443,7 @@ def test_a_pushers_small_chunks_leave_a_pinned_fetch_a_bounded_number_of_ranges(
     made a fetch 612 requests instead of 2: now the pinned blob's oldest artifact decides
     the chunking, and no list is taken below MIN_CHUNK_SIZE (one line), whatever order a
     pusher lists them in."""
-    client, genuine = _publish_big(registry_server, tmp_path, big_squashfs)
+    client, genuine = _publish_big(registry_server, tmp_path, big_squashfs, 64 << 20)
     _pushers_artifact(client, genuine, big_squashfs, chunk_size, first)
     storage = Storage(tmp_path / "cache")
     storage.prepare()
@@ -482,6 +482,7 @@ def test_a_record_from_a_chunked_artifact_then_one_without_digests_starts_over(
     fetched = _fetch_pinned(front, storage, genuine, said)
     assert fetched is not None, said
     assert _sha256(fetched.path.read_bytes()) == genuine.blob
-    assert fetched.received == genuine.size and front.ranges() == {0, DEFAULT_CHUNK_SIZE}
+    assert fetched.received == genuine.size and front.ranges() == set(
+        range(0, genuine.size, DEFAULT_CHUNK_SIZE))
     assert len([line for line in said if "starting over" in line]) == 1, said
     assert not partial.exists() and not sidecar_path(partial).exists()

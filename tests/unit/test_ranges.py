@@ -26,7 +26,7 @@ from imgpipe.enroot.published.artifact import (
     _from_manifest,
 )
 from imgpipe.enroot.published.policy import PublishedPolicy, _choose
-from imgpipe.registry import ranges
+from imgpipe.registry import chunks
 from imgpipe.registry.chunkrecord import (
     WRITE_EVERY_S,
     DoneRecord,
@@ -179,8 +179,9 @@ def test_the_record_is_written_at_most_once_a_second_and_at_the_end(tmp_path: Pa
 
 
 def test_a_huge_file_gets_chunks_few_enough_for_the_cap() -> None:
-    assert own_chunk_size(20 << 30) == 64 << 20
-    huge = own_chunk_size(1 << 40)  # 1 TiB: 16,384 chunks of 64 MiB
+    assert own_chunk_size(20 << 30) == 16 << 20  # 1,280 chunks
+    assert own_chunk_size(100 << 30) == 25 << 20  # 6,400 at 16 MiB: raised to 4,096 of 25 MiB
+    huge = own_chunk_size(1 << 40)  # 1 TiB: 65,536 chunks of 16 MiB
     assert huge % (1 << 20) == 0 and -(-(1 << 40) // huge) <= MAX_CHUNKS
 
 
@@ -308,7 +309,7 @@ def test_a_record_of_another_chunk_size_starts_the_download_over(tmp_path: Path)
 def test_a_record_made_under_another_chunk_list_starts_the_download_over(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunks checked against one list prove nothing under another (same chunk size)."""
-    monkeypatch.setattr(ranges, "MIN_CHUNK_SIZE", 64 << 10)  # 8 chunks in 512 KiB
+    monkeypatch.setattr(chunks, "MIN_CHUNK_SIZE", 64 << 10)  # 8 chunks in 512 KiB
     data = os.urandom(8 * (64 << 10))
     partial, said = tmp_path / "x.part", list[str]()
     _planted(partial, data, 64 << 10, [0, 1, 2], listed="another list")
@@ -331,3 +332,41 @@ def test_a_pinned_blob_is_fetched_by_its_oldest_artifacts_chunking() -> None:
     chosen = _choose([genuine, other, newer_blob], policy, "r@x", said.append)
     assert [c.artifact for c in chosen] == [newer_blob.artifact, genuine.artifact]
     assert chosen[1].chunk_size == 64 << 20 and chosen[1].size == 0
+
+
+def test_a_followed_fetch_checks_its_chunks_in_order_each_over_every_connection(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job's broadcast follows the chunks as they are checked: the connections share each
+    chunk's ranges (chunk 0 checked after one chunk's time, not four's), a part that comes
+    broken has its chunk fetched again whole, in one line; not followed, a chunk each."""
+    data = os.urandom(3 * CHUNK + 12345)
+    blob, digests = _sha256(data), _digests(data, CHUNK)
+    partial = tmp_path / "blob.part"
+    client, server = _served(data, partial)
+    send, broken = server.send, f"bytes={CHUNK}-{CHUNK + (2 << 20) - 1}"
+
+    def once_broken(request: requests.PreparedRequest, **kwargs: object) -> requests.Response:
+        response = send(request, **kwargs)
+        if request.headers.get("Range") == broken and server.asked.count(broken) == 1:
+            body = bytearray(response.raw.read())
+            body[5] ^= 1
+            response.raw = io.BytesIO(bytes(body))
+        return response
+
+    monkeypatch.setattr(server, "send", once_broken)
+    checked: list[int] = []
+    said: list[str] = []
+    fetch_ranges(client, "r", blob, partial, len(data), CHUNK, digests, 4, say=said.append,
+                 verified=lambda c: checked.append(c.upto))
+    assert partial.read_bytes() == data
+    assert checked == [CHUNK, 2 * CHUNK, 3 * CHUNK, len(data)]
+    asked = [a for a in server.asked if a]
+    assert asked[:4] == [f"bytes={i << 21}-{((i + 1) << 21) - 1}" for i in range(4)]
+    assert f"bytes={CHUNK}-{2 * CHUNK - 1}" in asked  # chunk 1 again, whole
+    assert [s for s in said if "fetching it again" in s] == [s for s in said if "chunk 1 " in s]
+    assert len(said) == 1
+    partial.unlink()
+    client, server = _served(data, partial)
+    fetch_ranges(client, "r", blob, partial, len(data), CHUNK, digests, 4)
+    assert sorted(a for a in server.asked if a) == sorted(
+        f"bytes={i * CHUNK}-{min(len(data), (i + 1) * CHUNK) - 1}" for i in range(4))

@@ -1,12 +1,14 @@
 """The chunk pipeline of ``enroot.distribution: broadcast`` without a cluster
-(enroot.published.relay): what a receiver takes from a header, writing and hashing unit by
-unit, what it keeps of a broken copy for its own fetch, and the sender's wait on its fetch."""
+(enroot.published.relay): what a receiver takes from a header, the chain's segments gathered
+into units written and hashed one by one, what it keeps of a broken copy for its own fetch,
+the sender's wait on its fetch, and the stage times every node sends back."""
 
 from __future__ import annotations
 
 import hashlib
 import io
 import os
+import queue
 import subprocess
 import tarfile
 import threading
@@ -15,7 +17,22 @@ from pathlib import Path
 
 import pytest
 
-from imgpipe.enroot.published.relay import UNIT, Header, Prefix, Receiver, RelayError
+from imgpipe.enroot.published.chain import MESSAGE, SEGMENT, segment_count, stamp
+from imgpipe.enroot.published.relay import (
+    SLOT,
+    UNIT,
+    Assembler,
+    Header,
+    NodeTimes,
+    Prefix,
+    Receiver,
+    RelayError,
+    gather_slot,
+    parse_stages,
+    per_hop,
+    read_slot,
+    stages_line,
+)
 from imgpipe.registry.ranges import MIN_CHUNK_SIZE, Checked
 
 
@@ -151,3 +168,136 @@ def test_the_sender_waits_for_each_unit_its_fetch_has_checked(tmp_path: Path) ->
     quiet = Prefix()
     quiet.finish(tmp_path / "entry")
     assert quiet.started() is None and quiet.entry == tmp_path / "entry"
+
+
+def _messages(data: bytes, stop_at: int | None = None) -> list[bytearray]:
+    """The chain's messages of ``data``, as the batch host sends them."""
+    out = []
+    for index in range(segment_count(len(data))):
+        message = bytearray(MESSAGE)
+        if index == stop_at:
+            stamp(message, -1, 0, len(data))
+            out.append(message)
+            break
+        offset = index * SEGMENT
+        length = min(SEGMENT, len(data) - offset)
+        message[:length] = data[offset:offset + length]
+        stamp(message, offset, length, len(data))
+        out.append(message)
+    return out
+
+
+def _assemble(tmp_path: Path, header: Header, messages: list[bytearray]
+              ) -> tuple[Receiver, Assembler]:
+    folder = tmp_path / "private"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    receiver = Receiver(header, folder / "blob.part", tmp_path / "entry.sqsh", 0o644)
+    assembler = Assembler(receiver)
+    for message in messages:
+        assembler.take(message)  # waits while every unit buffer is busy
+    assembler.flush()
+    return receiver, assembler
+
+
+def test_segments_become_units_and_the_entry(tmp_path: Path, image: bytes) -> None:
+    header = _header(image)
+    receiver, assembler = _assemble(tmp_path, header, _messages(image))
+    assert assembler.why == "" and receiver.queued == len(image)
+    got = receiver.finish()
+    assert got == tmp_path / "entry.sqsh" and got.read_bytes() == image
+
+
+def test_a_unit_broken_after_assembly_is_said_as_the_e2e_test_expects(
+        tmp_path: Path, image: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/e2e/test_broadcast.py breaks a byte of the third unit that ``put`` is handed
+    (relay.UNIT and Receiver.queued): the assembler hands units of UNIT bytes, so the line
+    names chunk 2 of the 8 MiB chunks as the first to fetch."""
+    put = Receiver.put
+
+    def broken(self: Receiver, buffer: bytearray, length: int) -> None:
+        if self.queued == 2 * UNIT:
+            buffer[100] ^= 0xFF
+        put(self, buffer, length)
+
+    monkeypatch.setattr(Receiver, "put", broken)
+    header = _header(image)
+    receiver, _ = _assemble(tmp_path, header, _messages(image))
+    why = receiver.finish()
+    assert isinstance(why, str) and why.endswith(
+        "keeping chunks 0-1, fetching chunks 2-2 from the registry"), why
+
+
+def test_a_message_out_of_place_or_a_stop_ends_the_taking(tmp_path: Path, image: bytes
+                                                           ) -> None:
+    header = _header(image)
+    messages = _messages(image)
+    messages[3], messages[4] = messages[4], messages[3]
+    receiver, assembler = _assemble(tmp_path, header, messages)
+    assert assembler.why == f"a message at byte {4 * SEGMENT} of {len(image)} came out of order"
+    assert receiver.queued == 3 * SEGMENT  # what came in order was handed over
+    assert receiver.abandon(assembler.why).endswith("; fetching it from the registry")
+    receiver, assembler = _assemble(tmp_path, header, _messages(image, stop_at=40))
+    assert assembler.why == "the batch host stopped sending"
+    why = receiver.abandon(assembler.why)
+    assert why == ("the batch host stopped sending; keeping chunks 0-0, fetching chunks 1-2 "
+                   "from the registry")
+
+
+def test_the_assembler_waits_for_a_free_unit_buffer() -> None:
+    freed: queue.Queue[bytearray] = queue.Queue()
+
+    class Busy:
+        header = Header("sha256:" + "a" * 64, 2 * SEGMENT)
+        queued = 0
+
+        def buffer(self) -> bytearray:
+            return freed.get(timeout=10)
+
+    assembler = Assembler(Busy())
+    first = _messages(b"x" * (2 * SEGMENT))[0]
+    taking = threading.Thread(target=assembler.take, args=(first,))
+    taking.start()
+    taking.join(0.2)
+    assert taking.is_alive() and assembler.offset == 0  # every unit buffer still written
+    freed.put(bytearray(UNIT))
+    taking.join(10)
+    assert not taking.is_alive() and assembler.offset == SEGMENT
+
+
+def test_the_sender_polls_its_fetch_without_blocking(tmp_path: Path) -> None:
+    prefix, blob = Prefix(), "sha256:" + "a" * 64
+    assert prefix.poll(blob, UNIT, 0) is None and prefix.first_at == 0.0
+    prefix(Checked(blob, tmp_path / "p", 3 * UNIT, UNIT, (), UNIT))
+    assert prefix.poll(blob, UNIT, 0) is True and prefix.poll(blob, 2 * UNIT, 0.01) is None
+    assert prefix.first_at > 0
+    prefix.finish(None)
+    assert prefix.poll(blob, 2 * UNIT, None) is False and prefix.done_at >= prefix.first_at
+
+
+def test_each_nodes_times_come_back_in_its_gather_slot() -> None:
+    times = NodeTimes(ready=100.5, first=101.25, last=120.0, checked=120.5)
+    slot = gather_slot(True, "node7", times)
+    assert len(slot) == SLOT and read_slot(slot) == (True, "node7", times)
+    assert read_slot(gather_slot(False, "n" * 300, NodeTimes()))[:2] == (False, "n" * 63)
+    # what another user's task might send: no times, never an exception
+    for junk in (bytes(SLOT), b"1node\0[1,2]", b"0node\0{\"ready\": \"x\"}", b"1a\0{bad"):
+        took, name, got = read_slot(junk)
+        assert got == NodeTimes() and isinstance(name, str)
+
+
+def test_the_stage_line_says_each_stage_and_the_cost_of_a_hop() -> None:
+    start = 1000.0
+    nodes = [NodeTimes(ready=1001.0, first=1003.0 + 0.05 * i, last=1018.0 + 0.05 * i,
+                       checked=1018.5 + 0.05 * i) for i in range(4)]
+    line = stages_line(start, {"ready": 1001.5, "first_chunk": 1002.7, "fetch": 1017.9,
+                               "gathered": 1019.0}, nodes)
+    stages = parse_stages(f"imgpipe: node1: broadcast sha256:… took it\nimgpipe: node1: "
+                          f"{line}\nfirst node2 1019.5\n")
+    assert stages is not None
+    assert stages["start"] == 1000.0 and stages["nodes"] == 4
+    assert stages["ready_last"] == 1.5 and stages["first_chunk"] == 2.7
+    assert stages["fetch"] == 17.9 and stages["first_byte_last_node"] == 3.15
+    assert stages["last_unit"] == 18.15 and stages["final_check"] == 18.65
+    assert stages["per_hop_s"] == stages["per_hop_last_s"] == 0.05
+    assert stages["first_by_node"] == [3.0, 3.05, 3.1, 3.15]
+    assert per_hop([None, 1.0]) is None and parse_stages("no such line") is None

@@ -99,13 +99,13 @@ def test_sbcast_copies_no_node_took_are_swept_after_a_day(tmp_path: Path) -> Non
 @pytest.mark.parametrize("runtime", ["pyxis", "charliecloud"])
 def test_broadcast_runs_one_mpi_step_and_falls_back_to_sbcast(tmp_path: Path,
                                                               runtime: str) -> None:
-    """broadcast: one `srun --mpi=pmix` step of the importer's `broadcast` (Open MPI's
-    pipeline broadcast forced), sbcast's staging where there is no pin, no pmix or the step
+    """broadcast: one `srun --mpi=pmix` step of the importer's `broadcast` (no spinning
+    waits, no memory patcher), sbcast's staging where there is no pin, no pmix or the step
     fails, and the nodes' `take` only when the broadcast did not run."""
     scripts = _bundle(tmp_path, runtime, "broadcast")
     for text in scripts.values():
         assert "--mpi=pmix" in text and '"$IMGPIPE_IMPORTER" broadcast "$uri"' in text
-        assert 'OMPI_MCA_coll_tuned_bcast_algorithm="${IMGPIPE_BCAST_ALGORITHM:-3}"' in text
+        assert "OMPI_MCA_mpi_yield_when_idle=1 OMPI_MCA_memory='^patcher'" in text
         for fallback in ("has no squashfs pin", "has no pmix plugin", "failed: staging with"):
             assert fallback in text
         assert 'if [ "$mode" != broadcast ]; then' in text
