@@ -6,7 +6,9 @@ lengths, per implementation, the same micro-batches already on the device:
 - imgpipe: the trainer's real step (``bert_trainer.trainer.Trainer``: LAMB, schedule,
   loss), bf16, torch.compile, unpadded encoder, O2 (bf16 weights, fp32 masters), fused
   LAMB; ``imgpipe-before`` (rows: impl imgpipe, variant padded,...) the padded, autocast,
-  unfused configuration it replaced;
+  unfused configuration it replaced; ``imgpipe-fp8`` (impl imgpipe, variant ...,fp8) the
+  same with ``--fp8``: torchao's float8 matmuls in the encoder (H100/H200; on the CPU
+  torchao's emulation, variant ...,fp8-emulated, which checks the script only);
 - hf-eager / hf-compiled: ``transformers.BertForPreTraining`` (attn_implementation="sdpa",
   bf16 autocast, fused AdamW, gradient clipping at 1.0 as its Trainer does), eager and
   under torch.compile, labels at the masked slots, every batch padded to the full length
@@ -27,16 +29,24 @@ Rates count real (non-padding) tokens: sequences/s, real tokens/s, and TFLOP/s a
 the matmul FLOPs of the real tokens alone (``BertConfig.training_flops_per_sequence`` at each
 sequence's length), so padding a model computes earns it nothing.  Rows at accumulation 1
 and at the shipped configs' accumulation on one 8-GPU node (phase 1: 32 micro-batches,
-phase 2: 128) go to ``--out`` as they come.  Every micro-batch runs once before the timing
-(each shape compiled); each row times whole passes over them and records the step-to-step
-spread (``step_sd_pct``).  ``--profile FILE`` adds, per phase and implementation, a
-kernel-time summary (matmul / elementwise / optimizer / attention / other;
-bench/trainer_kernels.py).  Without a GPU it says it skipped, unless ``--tiny``
-asks for a small CPU run that checks the script itself (Hugging Face rows are left out,
-with a line saying so, where transformers is not installed).
+phase 2: 128) go to ``--out`` as they come, each written the moment it is measured (a
+failure leaves an ``error`` row and the rows before it; SIGTERM, a stage's ``timeout``,
+leaves a ``stopped`` row saying what was under way).  Every micro-batch runs once before the
+timing (each shape compiled); each row records those warm-up seconds, compiling included
+(``warmup_s``), the graphs dynamo compiled then and during the timing (``graphs_compiled``,
+``recompiles_timed``: 0 unless a shape recompiled), times whole passes over the
+micro-batches and records the step-to-step spread (``step_sd_pct``).  imgpipe runs first, so
+a stage that runs out of time keeps its rows; ``ratio_to_hf_compiled`` is filled in when
+Hugging Face's row lands (in this run or one before it, with ``--append``).
+``--profile FILE`` adds, per phase and implementation, a kernel-time summary (matmul /
+elementwise / optimizer / attention / other; bench/trainer_kernels.py).  Without a GPU it
+says it skipped, unless ``--tiny`` asks for a small CPU run that checks the script itself
+(``--compile`` compiles there too; Hugging Face rows are left out, with a line saying so,
+where transformers is not installed).
 
     python bench/bench_trainer.py [--phases 1,2] [--steps 10] [--deadline 420]
     python bench/bench_trainer.py --tiny --out /tmp/trainer-cpu.json      # CPU smoke run
+    python bench/bench_trainer.py --tiny --compile --impls imgpipe,imgpipe-fp8  # CPU, compiled
 """
 
 from __future__ import annotations
@@ -44,17 +54,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import importlib
-import json
 import os
+import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,171 +70,35 @@ sys.path.insert(0, str(ROOT / "images" / "bert" / "trainer"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bert_trainer.config import TINY, BertConfig  # noqa: E402
-from bert_trainer.data import KEYS, Batch, Position, to_batch  # noqa: E402
-from bert_trainer.metrics import peak_tflops  # noqa: E402
-from bert_trainer.model import IGNORE, BertForPreTraining  # noqa: E402
-from bert_trainer.synthetic import (  # noqa: E402
-    instances,
-    length_model,
-    real_length_instances,
+from bert_trainer.data import Batch  # noqa: E402
+from bert_trainer.synthetic import length_model  # noqa: E402
+from trainer_kernels import profile_steps  # noqa: E402
+from trainer_rows import HEADER, Results, add_ratios, backfill, print_row, row_of  # noqa: E402
+from trainer_workload import (  # noqa: E402
+    POOL,
+    SHAPES,
+    TINY_SHAPES,
+    allocated,
+    batches_of,
+    compiled_graphs,
+    hf_step,
+    imgpipe_step,
+    make_arrays,
+    real_work,
+    sync,
+    timed,
+    whole_passes,
 )
-from bert_trainer.trainer import Trainer  # noqa: E402
-from trainer_kernels import OPTIMIZER_RANGE, profile_steps  # noqa: E402
 
-# Micro-batches for BERT-Large on an 80 GB GPU, and the shipped accumulation on one 8-GPU
-# node (global batch 65536 / 8 GPUs / 256; 32768 / 8 / 32).
-SHAPES = {1: {"seq_len": 128, "max_pred": 20, "micro_batch": 256, "accumulation": 32},
-          2: {"seq_len": 512, "max_pred": 80, "micro_batch": 32, "accumulation": 128}}
-TINY_SHAPES = {1: {"seq_len": 32, "max_pred": 5, "micro_batch": 4, "accumulation": 2},
-               2: {"seq_len": 64, "max_pred": 10, "micro_batch": 2, "accumulation": 4}}
-POOL = 4  # distinct micro-batches per shape, cycled
-SEQ_KEYS = ("input_ids", "input_mask", "segment_ids")  # the keys with a sequence axis
-
-
-def make_arrays(config: BertConfig, shape: dict, phase: int,
-                lengths: str) -> dict[str, np.ndarray]:
-    """``POOL`` micro-batches' worth of shard rows, of ``generated`` or ``real`` lengths."""
-    rng = np.random.default_rng(0)
-    count, seq, pred = POOL * shape["micro_batch"], shape["seq_len"], shape["max_pred"]
-    made = (real_length_instances(count, seq, pred, config.vocab_size, phase, rng)
-            if lengths == "real" else instances(count, seq, pred, config.vocab_size, rng))
-    return {key: getattr(made, key) for key in KEYS}
-
-
-def batches_of(arrays: dict[str, np.ndarray], size: int, device: torch.device,
-               grouped: bool = False) -> list[Batch]:
-    """Micro-batches of ``size`` rows in order, padded to the full length; ``grouped``: the
-    rows sorted by length, longest first, each batch cut to its own longest sequence."""
-    lengths = arrays["input_mask"].sum(1)
-    order = np.argsort(-lengths, kind="stable") if grouped else np.arange(len(lengths))
-    batches = []
-    for start in range(0, len(order) - size + 1, size):
-        rows = order[start:start + size]
-        width = int(lengths[rows].max()) if grouped else arrays["input_ids"].shape[1]
-        part = {key: value[rows][:, :width] if key in SEQ_KEYS else value[rows]
-                for key, value in arrays.items()}
-        batches.append(to_batch([part], Position()).to(device))
-    return batches
-
-
-def real_work(config: BertConfig, batches: list[Batch], max_pred: int) -> tuple[float, float]:
-    """Mean real tokens and mean real-token matmul FLOPs per sequence of ``batches``."""
-    lengths = torch.cat([b.input_mask.sum(1).cpu() for b in batches]).tolist()
-    flops = [config.training_flops_per_sequence(int(n), max_pred) for n in lengths]
-    return sum(lengths) / len(lengths), sum(flops) / len(flops)
-
-
-def imgpipe_step(config: BertConfig, device: torch.device, before: bool,
-                 compiled: bool) -> Callable[[list[Batch]], None]:
-    torch.manual_seed(0)
-    model = BertForPreTraining(config, unpadded=not before)
-    o2 = not before and (device.type == "cpu" or torch.cuda.is_bf16_supported())
-    trainer = Trainer(model, device, "bf16", 1e-4, 0.1, 10**6, 1, compile_model=compiled,
-                      fused_lamb=compiled and not before, o2=o2)
-
-    def step(micro: list[Batch]) -> None:
-        trainer.step(micro)
-
-    return step
-
-
-def hf_step(config: BertConfig, device: torch.device,
-            compiled: bool) -> Callable[[list[Batch]], None]:
-    # Any: transformers' annotations disagree with its own documented calls
-    transformers: Any = importlib.import_module("transformers")
-    torch.manual_seed(0)
-    hf_config = transformers.BertConfig(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        intermediate_size=config.intermediate_size, hidden_act=config.hidden_act,
-        max_position_embeddings=config.max_position_embeddings,
-        hidden_dropout_prob=config.hidden_dropout_prob,
-        attention_probs_dropout_prob=config.attention_probs_dropout_prob,
-        attn_implementation="sdpa")
-    model = transformers.BertForPreTraining(hf_config).to(device).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01,
-                                  fused=device.type == "cuda")
-    forward = torch.compile(model) if compiled else model
-
-    def step(micro: list[Batch]) -> None:
-        for batch in micro:
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                out = forward(input_ids=batch.input_ids, attention_mask=batch.input_mask,
-                              token_type_ids=batch.segment_ids, labels=hf_labels(batch),
-                              next_sentence_label=batch.next_sentence_labels)
-            (out.loss / len(micro)).backward()
-        with torch.profiler.record_function(OPTIMIZER_RANGE):
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-    return step
-
-
-def hf_labels(batch: Batch) -> torch.Tensor:
-    """[B, S] labels: the masked slots' ids at their positions, IGNORE elsewhere."""
-    # unused slots point at position 0 ([CLS], never masked) and carry IGNORE themselves
-    labels = torch.full_like(batch.input_ids, IGNORE)
-    return labels.scatter(1, batch.masked_lm_positions, batch.masked_lm_labels)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _mark(device: torch.device) -> Any:
-    """A point in time: a recorded CUDA event (no sync), or the CPU clock."""
-    if device.type != "cuda":
-        return time.perf_counter()
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
-
-
-def timed(step: Callable[[list[Batch]], None], batches: list[Batch], accumulation: int,
-          steps: int, device: torch.device) -> tuple[list[float], float | None]:
-    """Seconds of each optimizer step, peak memory (GiB) over those steps."""
-    sync(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    marks = [_mark(device)]
-    for i in range(steps):
-        step([batches[(i * accumulation + j) % len(batches)] for j in range(accumulation)])
-        marks.append(_mark(device))
-    sync(device)
-    seconds = [b - a if isinstance(a, float) else a.elapsed_time(b) / 1000
-               for a, b in zip(marks, marks[1:], strict=False)]
-    peak = (torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda"
-            else None)
-    return seconds, peak
-
-
-def whole_passes(steps: int, accumulation: int, pool: int) -> int:
-    """``steps`` rounded up so the timed micro-batches are whole passes over the pool (the
-    rates count the pool's mean tokens; grouped batches differ in length by design)."""
-    while steps * accumulation % pool:
-        steps += 1
-    return steps
-
-
-class Results:
-    """The JSON file, rewritten whole (temporary name, then rename) after every row."""
-
-    def __init__(self, path: Path | None, header: dict[str, Any], append: bool) -> None:
-        self.path, self.data = path, {**header, "rows": [], "profiles": []}
-        if append and path is not None and path.is_file():
-            kept = json.loads(path.read_text())
-            self.data["rows"], self.data["profiles"] = kept["rows"], kept["profiles"]
-
-    def add(self, key: str, item: dict[str, Any]) -> None:
-        self.data[key].append(item)
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            partial = self.path.with_name(f".{self.path.name}.{os.getpid()}")
-            partial.write_text(json.dumps(self.data, indent=1) + "\n")
-            os.replace(partial, self.path)
+# What --impls takes, in the order a run measures them: imgpipe first (a stage's timeout
+# then costs Hugging Face's rows, not ours), Hugging Face compiled (every ratio's
+# denominator) next.
+IMPLS = ("imgpipe", "hf-compiled", "hf-grouped", "imgpipe-fp8", "imgpipe-before", "hf-eager")
+VARIANTS = {"imgpipe": "unpadded,o2,fused-lamb", "imgpipe-fp8": "unpadded,o2,fused-lamb,fp8",
+            "imgpipe-before": "padded,autocast,foreach-lamb",
+            "hf-grouped": "grouped,sdpa,autocast,fused-adamw",
+            "hf-compiled": "padded,sdpa,autocast,fused-adamw",
+            "hf-eager": "padded,sdpa,autocast,fused-adamw"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -235,9 +107,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lengths", default="generated,real")
     parser.add_argument("--impls", default="imgpipe,hf-eager,hf-compiled,hf-grouped",
                         help="of imgpipe, imgpipe-before (padded, autocast, unfused LAMB: "
-                        "what imgpipe replaced), hf-eager, hf-compiled (both padded to the "
-                        "full length), hf-grouped (compiled, length-grouped batches padded "
-                        "to their longest)")
+                        "what imgpipe replaced), imgpipe-fp8 (imgpipe with --fp8: torchao's "
+                        "float8 matmuls in the encoder), hf-eager, hf-compiled (both padded "
+                        "to the full length), hf-grouped (compiled, length-grouped batches "
+                        "padded to their longest)")
     parser.add_argument("--append", action="store_true",
                         help="keep the rows already in --out and --profile, add to them")
     parser.add_argument("--accumulation", default="1,shipped",
@@ -248,9 +121,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--micro-batch", type=int, default=None)
     parser.add_argument("--deadline", type=float, default=None,
-                        help="seconds: start no new measurement after this")
+                        help="seconds: start no new implementation, warm-up, timing or "
+                        "profile after this")
     parser.add_argument("--tiny", "--cpu", dest="tiny", action="store_true",
-                        help="a tiny BERT on the CPU: checks the script, measures nothing real")
+                        help="a tiny BERT (on the CPU unless --device says otherwise): checks "
+                        "the script, measures nothing real")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                        help="auto: the GPU, or the CPU with --tiny")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="torch.compile every implementation but hf-eager (default: on a "
+                        "GPU, off on the CPU)")
     parser.add_argument("--out", type=Path, default=None,
                         help="rows as they come (default bench/results/trainer-gpu.json on "
                         "a GPU, nothing with --tiny)")
@@ -261,11 +141,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    gpu = torch.cuda.is_available() and not args.tiny
-    if not gpu and not args.tiny:
+    wanted = args.device if args.device != "auto" else ("cpu" if args.tiny else "cuda")
+    if wanted == "cuda" and not torch.cuda.is_available():
         print("bench_trainer: no GPU here: skipped (--tiny runs a CPU smoke test)")
         return 0
+    gpu = wanted == "cuda"
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    if args.compile is None:
+        args.compile = gpu
     if gpu:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -273,8 +156,7 @@ def main(argv: list[str] | None = None) -> int:
               else BertConfig())
     shapes = TINY_SHAPES if args.tiny else SHAPES
     impls = args.impls.split(",")
-    unknown = set(impls) - {"imgpipe", "imgpipe-before", "hf-eager", "hf-compiled",
-                            "hf-grouped"}
+    unknown = set(impls) - set(IMPLS)
     if unknown:
         print(f"bench_trainer: unknown --impls {', '.join(sorted(unknown))}", file=sys.stderr)
         return 2
@@ -294,26 +176,68 @@ def main(argv: list[str] | None = None) -> int:
     profiles = Results(args.profile, {"device": name, "torch": torch.__version__},
                        args.append)
     print(f"device: {name}; model: {results.data['model']}; torch {torch.__version__}; "
-          f"transformers {hf_version}")
+          f"transformers {hf_version}; compile {'on' if args.compile else 'off'}")
     print("* padded to the full length; hf-grouped: length-grouped batches, each padded to "
-          "its longest; ±step: step-to-step sd")
+          "its longest; ±step: step-to-step sd; warm: warm-up seconds, compiling included")
     print(HEADER, flush=True)
     started = time.perf_counter()
+    doing = Doing()
+
+    def stop(number: int, _frame: object) -> None:
+        """SIGTERM (a stage's timeout): the rows so far are on disk; a row says what the stop
+        cut short, and the process ends here.  Not an exception: raised inside a compile it
+        can land in a callback that swallows it (a weakref's), and the compile goes on."""
+        seconds = round(time.perf_counter() - started, 1)
+        name = signal.Signals(number).name
+        print(f"bench_trainer: {name} after {seconds} s, during {doing.what or 'setup'}",
+              flush=True)
+        if doing.row is not None:
+            results.add("rows", {**doing.row, "error": f"stopped by {name} after {seconds} s "
+                                 f"of this run, during {doing.what}"})
+        sys.stdout.flush()
+        os._exit(124)
+
+    signal.signal(signal.SIGTERM, stop)
     for phase in (int(p) for p in args.phases.split(",")):
         shape = dict(shapes[phase])
         if args.micro_batch:
             shape["micro_batch"] = args.micro_batch
-        run_phase(args, phase, shape, impls, config, device, results, profiles, started)
+        run_phase(args, phase, shape, impls, config, device, results, profiles, started, doing)
     if out is not None:
         print(f"rows: {out}")
     return 0
 
 
+class Doing:
+    """What the run is doing now: said (and kept as a row) when SIGTERM stops it."""
+
+    def __init__(self) -> None:
+        self.what: str | None = None
+        self.row: dict[str, Any] | None = None
+
+    def now(self, what: str, row: dict[str, Any] | None = None, say: bool = False) -> None:
+        self.what, self.row = what, row
+        if say:
+            print(f"      {what}", flush=True)
+
+
+def past(args: argparse.Namespace, started: float, what: str) -> bool:
+    """True (and a line saying what is left out) once ``--deadline`` has passed."""
+    if args.deadline and time.perf_counter() - started > args.deadline:
+        print(f"deadline reached: {what} not measured", flush=True)
+        return True
+    return False
+
+
 def run_phase(args: argparse.Namespace, phase: int, shape: dict, impls: list[str],
               config: BertConfig, device: torch.device, results: Results, profiles: Results,
-              started: float) -> None:
+              started: float, doing: Doing) -> None:
+    """Every implementation's accumulation-1 rows (and profile), then, with the compiled
+    steps kept, every implementation's rows at the larger accumulations: a stage that runs
+    out of time loses those first, and none of them compiles anything again."""
     accumulations = [shape["accumulation"] if a == "shipped" else int(a)
                      for a in args.accumulation.split(",")]
+    first, later = [a for a in accumulations if a == 1], [a for a in accumulations if a != 1]
     made = {kind: make_arrays(config, shape, phase, kind) for kind in args.lengths.split(",")}
     data = {kind: {"padded": batches_of(arrays, shape["micro_batch"], device)}
             for kind, arrays in made.items()}
@@ -322,26 +246,37 @@ def run_phase(args: argparse.Namespace, phase: int, shape: dict, impls: list[str
         if "hf-grouped" in impls:
             data[kind]["grouped"] = batches_of(arrays, shape["micro_batch"], device, True)
         spread[kind] = describe_lengths(phase, kind, shape, data[kind], config)
-    # Hugging Face compiled first (the ratio's denominator), then imgpipe: what matters most
-    # is measured before a deadline can stop the run.
-    order = ["hf-compiled", "imgpipe", "hf-grouped", "imgpipe-before", "hf-eager"]
-    measured: dict[tuple[str, str, int], float] = {}
-    for name in sorted(impls, key=order.index):
-        if args.deadline and time.perf_counter() - started > args.deadline:
-            print(f"deadline reached: phase {phase} {name} not measured", flush=True)
-            return
-        try:
-            measure(args, phase, name, shape, data, spread, accumulations, config, device,
-                    results, profiles, measured)
-        except Exception as exc:  # one lease, many rows: a failure costs only its own
-            traceback.print_exc()
-            results.add("rows", {"phase": phase, "impl": name.removesuffix("-before"),
-                                 "before": name.endswith("-before"),
-                                 "error": f"{type(exc).__name__}: {exc}"[:2000]})
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        with contextlib.suppress(Exception):
-            torch._dynamo.reset()  # each model compiles afresh; bounded cache growth
+    context = Context(args, phase, shape, data, spread, config, device, results, profiles,
+                      started, doing)
+    kept: list[Measured] = []
+    for name in sorted(impls, key=IMPLS.index):
+        if past(args, started, f"phase {phase} {name}"):
+            break
+        with failure_row(context, name):
+            kept.append(warm_and_time(context, name, first))
+    for measured in kept:
+        with failure_row(context, measured.name):
+            time_rows(context, measured, later)
+    del kept  # the models, before the next phase builds its own
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    with contextlib.suppress(Exception):
+        torch._dynamo.reset()  # the next phase compiles afresh; bounded cache growth
+
+
+@contextlib.contextmanager
+def failure_row(context: Context, name: str) -> Iterator[None]:
+    """An exception in ``name``'s measurement becomes its ``error`` row; the run goes on
+    (one lease, many rows: a failure costs only its own)."""
+    try:
+        yield
+    except Exception as exc:
+        traceback.print_exc()
+        context.results.add("rows", {
+            "phase": context.phase, "name": name,
+            "impl": "imgpipe" if name.startswith("imgpipe") else name,
+            "before": name.endswith("-before"),
+            "error": f"{type(exc).__name__}: {exc}"[:2000]})
 
 
 def describe_lengths(phase: int, kind: str, shape: dict, batches: dict[str, list[Batch]],
@@ -365,92 +300,127 @@ def describe_lengths(phase: int, kind: str, shape: dict, batches: dict[str, list
     return spread
 
 
-def measure(args: argparse.Namespace, phase: int, name: str, shape: dict,
-            data: dict[str, dict[str, list[Batch]]], spread: dict[str, float | None],
-            accumulations: list[int], config: BertConfig, device: torch.device,
-            results: Results, profiles: Results,
-            measured: dict[tuple[str, str, int], float]) -> None:
-    """One implementation's rows (each kind of lengths, each accumulation) and profile."""
-    impl, before = name.removesuffix("-before"), name.endswith("-before")
-    compiled = device.type == "cuda" and impl != "hf-eager"
-    step = (imgpipe_step(config, device, before, compiled) if impl == "imgpipe"
-            else hf_step(config, device, compiled))
-    variant = {"imgpipe": "unpadded,o2,fused-lamb", "imgpipe-before":
-               "padded,autocast,foreach-lamb", "hf-grouped": "grouped,sdpa,autocast,fused-adamw"
-               }.get(name, "padded,sdpa,autocast,fused-adamw")
-    for kind, both in data.items():
+class Context(NamedTuple):
+    """What every measurement of a phase shares."""
+
+    args: argparse.Namespace
+    phase: int
+    shape: dict
+    data: dict[str, dict[str, list[Batch]]]
+    spread: dict[str, float | None]
+    config: BertConfig
+    device: torch.device
+    results: Results
+    profiles: Results
+    started: float
+    doing: Doing
+
+
+class Measured:
+    """One implementation, built and warmed up: its step, kept for the later rows.  (Not a
+    dataclass: the tests load this file by path, as no module dataclasses can find.)"""
+
+    def __init__(self, name: str, impl: str, variant: str,
+                 step: Callable[[list[Batch]], None]) -> None:
+        self.name, self.impl, self.variant, self.step = name, impl, variant, step
+        self.warm: dict[str, dict[str, Any]] = {}  # per kind of lengths
+        self.resident = 0  # bytes it keeps on the GPU between steps (weights, optimizer state)
+
+
+def warm_and_time(context: Context, name: str, accumulations: list[int]) -> Measured:
+    """Build ``name``'s step, warm it up on each kind of lengths (compiling every shape) and
+    time its rows at ``accumulations``; the profile after the first kind's rows."""
+    args, phase, device, doing = context.args, context.phase, context.device, context.doing
+    impl = "imgpipe" if name.startswith("imgpipe") else name
+    compiled = args.compile and impl != "hf-eager"
+    variant = VARIANTS[name] + ("-emulated" if name == "imgpipe-fp8" and device.type == "cpu"
+                                else "")
+    base = {"phase": phase, "name": name, "impl": impl, "variant": variant}
+    doing.now(f"phase {phase} {name}: building", base)
+    before = allocated(device)
+    step = (imgpipe_step(context.config, device, name, compiled) if impl == "imgpipe"
+            else hf_step(context.config, device, compiled))
+    measured = Measured(name, impl, variant, step)
+    for kind, both in context.data.items():
         batches = both["grouped" if impl == "hf-grouped" else "padded"]
+        if past(args, context.started, f"phase {phase} {name} {kind} lengths"):
+            break
+        doing.now(f"phase {phase} {name} {kind} lengths: warm-up"
+                  + (" (compiling)" if compiled else ""),
+                  {**base, "lengths": kind}, say=True)
+        graphs, warm_start = compiled_graphs(), time.perf_counter()
         for i in range(max(args.warmup, len(batches))):  # compiles every shape; allocator
             step([batches[i % len(batches)]])
+        sync(device)
+        measured.warm[kind] = {"warmup_s": round(time.perf_counter() - warm_start, 1),
+                               "graphs_compiled": compiled_graphs() - graphs}
+        measured.resident = allocated(device) - before
+        time_rows(context, measured, accumulations, [kind], warmed_now=True)
+        if args.profile is not None and kind == next(iter(context.data)):
+            if past(args, context.started, f"phase {phase} {name} profile"):
+                break
+            doing.now(f"phase {phase} {name}: profile")
+            try:  # a profiler failure costs the profile, not the rows or what follows
+                profile(step, batches[0], phase, impl, variant, kind, context.shape, device,
+                        context.profiles)
+            except Exception:
+                traceback.print_exc()
+                print(f"      profile {name}: failed (above); the rows stand", flush=True)
+    return measured
+
+
+def time_rows(context: Context, measured: Measured, accumulations: list[int],
+              kinds: list[str] | None = None, warmed_now: bool = False) -> None:
+    """``measured``'s rows at ``accumulations`` for each warmed-up kind of lengths (or
+    ``kinds``), each written as it is measured.  Peak memory counts this implementation's
+    own: what the others kept resident is taken off.  ``warmed_now``: the warm-up (the
+    compile) has just run, so the first row is timed even past the deadline (seconds of
+    steps; the compile it follows took minutes)."""
+    args, phase, device, results = context.args, context.phase, context.device, context.results
+    name, impl, variant = measured.name, measured.impl, measured.variant
+    for kind in kinds or list(measured.warm):
+        if not accumulations:
+            return
+        batches = context.data[kind]["grouped" if impl == "hf-grouped" else "padded"]
         for accumulation in accumulations:
+            exempt = warmed_now and accumulation == accumulations[0]
+            if not exempt and past(args, context.started,
+                                   f"phase {phase} {name} {kind} accumulation {accumulation}"):
+                return
+            context.doing.now(f"phase {phase} {name} {kind} lengths, accumulation "
+                              f"{accumulation}: timing",
+                              {"phase": phase, "name": name, "impl": impl, "variant": variant,
+                               "lengths": kind, "accumulation": accumulation})
             steps = whole_passes(args.steps if accumulation == 1 else args.shipped_steps,
                                  accumulation, len(batches))
-            seconds, peak = timed(step, batches, accumulation, steps, device)
-            row = row_of(config, phase, impl, variant, kind, shape, accumulation, seconds,
-                         peak, batches, device)
-            sample = spread[kind]
+            graphs = compiled_graphs()
+            others = allocated(device) - measured.resident
+            seconds, peak = timed(measured.step, batches, accumulation, steps, device)
+            if peak is not None:
+                peak -= others / 2**30
+            row = row_of(context.config, phase, impl, variant, kind, context.shape,
+                         accumulation, seconds, peak, batches, device)
+            row.update(name=name, **measured.warm[kind],
+                       recompiles_timed=compiled_graphs() - graphs)
+            sample = context.spread[kind]
             row["sample_spread_pct"] = round(sample, 2) if sample is not None else None
-            measured[(name, kind, accumulation)] = row["sequences_per_s"]
-            hf = measured.get(("hf-compiled", kind, accumulation))
-            row["ratio_to_hf_compiled"] = (round(row["sequences_per_s"] / hf, 3)
-                                           if hf else None)
-            ours = measured.get(("imgpipe", kind, accumulation))
-            if impl == "hf-grouped" and ours:
-                row["imgpipe_ratio_to_this"] = round(ours / row["sequences_per_s"], 3)
+            add_ratios(results, row)
             results.add("rows", row)
+            if name == "hf-compiled":
+                backfill(results, row)
             print_row(row)
-        if args.profile is not None and kind == next(iter(data)):
-            summary = profile_steps(functools.partial(step, [batches[0]]), 2,
-                                    device.type == "cuda")
-            profiles.add("profiles", {"phase": phase, "impl": impl, "variant": variant,
-                                      "lengths": kind, "micro_batch": shape["micro_batch"],
-                                      **summary})
-            shares = ", ".join(f"{k} {v['share']:.0%}" for k, v in summary["shares"].items())
-            print(f"      profile {impl} ({variant}): {summary['ms_per_step']} ms/step: "
-                  f"{shares}", flush=True)
 
 
-def row_of(config: BertConfig, phase: int, impl: str, variant: str, kind: str, shape: dict,
-           accumulation: int, seconds: list[float], peak: float | None, batches: list[Batch],
-           device: torch.device) -> dict[str, Any]:
-    tokens, flops = real_work(config, batches, shape["max_pred"])
-    mean = sum(seconds) / len(seconds)
-    spread = (sum((s - mean) ** 2 for s in seconds) / len(seconds)) ** 0.5
-    sequences = shape["micro_batch"] * accumulation / mean
-    tflops = sequences * flops / 1e12
-    top = peak_tflops(device, "bf16", None)
-    widths = [b.input_ids.shape[1] for b in batches]
-    return {"phase": phase, "impl": impl, "variant": variant, "lengths": kind,
-            "micro_batch": shape["micro_batch"], "accumulation": accumulation,
-            "seq_len": shape["seq_len"], "mean_real_tokens": round(tokens, 1),
-            "padded_to": (None if variant.startswith("unpadded")
-                          else round(sum(widths) / len(widths), 1)),
-            "steps": len(seconds), "step_s": round(mean, 4),
-            "step_sd_pct": round(100 * spread / mean, 2) if len(seconds) > 1 else None,
-            "sequences_per_s": round(sequences, 1),
-            "real_tokens_per_s": round(sequences * tokens, 1),
-            "tflops_per_s": round(tflops, 2),
-            "mfu": round(tflops / top, 4) if top else None,
-            "peak_memory_gib": round(peak, 2) if peak is not None else None}
+def profile(step: Callable[[list[Batch]], None], batch: Batch, phase: int, impl: str,
+            variant: str, kind: str, shape: dict, device: torch.device,
+            profiles: Results) -> None:
+    summary = profile_steps(functools.partial(step, [batch]), 2, device.type == "cuda")
+    profiles.add("profiles", {"phase": phase, "impl": impl, "variant": variant,
+                              "lengths": kind, "micro_batch": shape["micro_batch"], **summary})
+    shares = ", ".join(f"{k} {v['share']:.0%}" for k, v in summary["shares"].items())
+    print(f"      profile {impl} ({variant}, {kind} lengths): {summary['ms_per_step']} ms/step: "
+          f"{shares}", flush=True)
 
-
-HEADER = (f"{'phase':>5} {'impl':<12} {'lengths':<9} {'micro':>5} {'acc':>4} {'seq/s':>9} "
-          f"{'±step':>6} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'GiB':>6} {'vs hf-c':>7}")
-
-
-def print_row(row: dict[str, Any]) -> None:
-    mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "-"
-    gib = f"{row['peak_memory_gib']:.1f}" if row["peak_memory_gib"] is not None else "-"
-    ratio, sd = row["ratio_to_hf_compiled"], row["step_sd_pct"]
-    impl = row["impl"] + ("*" if row["variant"].startswith("padded") else "")
-    print(f"{row['phase']:>5} {impl:<12} {row['lengths']:<9} {row['micro_batch']:>5} "
-          f"{row['accumulation']:>4} {row['sequences_per_s']:>9.1f} "
-          f"{(f'{sd:.1f}%' if sd is not None else '-'):>6} {row['real_tokens_per_s']:>10.0f} "
-          f"{row['tflops_per_s']:>8.1f} {mfu:>6} {gib:>6} "
-          f"{(f'{ratio:.2f}x' if ratio else '-'):>7}", flush=True)
-    if row.get("imgpipe_ratio_to_this"):
-        print(f"      imgpipe is {row['imgpipe_ratio_to_this']:.2f}x Hugging Face with "
-              "length-grouped batches", flush=True)
 
 
 if __name__ == "__main__":

@@ -63,7 +63,12 @@ def run(model: BertForPreTraining, batch: dict, indices: bool = False) -> dict:
     loss.backward()
     return {"loss": loss.detach(), "mlm": mlm.detach(), "nsp": nsp.detach(),
             "correct": correct, "predicted": predicted,
-            "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+            "grads": {n: grad(p) for n, p in model.named_parameters()}}
+
+
+def grad(parameter: torch.Tensor) -> torch.Tensor:
+    assert parameter.grad is not None
+    return parameter.grad.clone()
 
 
 def twins() -> tuple[BertForPreTraining, BertForPreTraining]:
@@ -147,3 +152,25 @@ def test_the_trainer_gives_the_same_loss_curve_padded_and_unpadded() -> None:
         curves.append(losses)
     assert curves[1] == pytest.approx(curves[0], abs=1e-5)
     assert sum(curves[0][-5:]) / 5 < curves[0][0]  # and it learns
+
+
+def test_a_new_token_count_does_not_recompile_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer marks the unpadded token count dynamic before the first compile: batches
+    of other counts reuse that graph (on BERT-Large a recompile costs minutes).  Dynamo's
+    eager backend: the guards are dynamo's whatever the backend, and it compiles in a second."""
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model: real_compile(model, backend="eager"))
+    config = BertConfig(**{**TINY.__dict__, "num_hidden_layers": 1})
+    made = instances(4 * 4, SEQ, PRED, config.vocab_size, np.random.default_rng(11))
+    arrays = {key: getattr(made, key) for key in KEYS}
+    data = [to_batch([{k: v[i * 4:(i + 1) * 4] for k, v in arrays.items()}], Position())
+            for i in range(4)]
+    assert len({len(batch.token_index) for batch in data}) > 1  # the counts differ
+    torch._dynamo.reset()
+    trainer = Trainer(BertForPreTraining(config), torch.device("cpu"), "fp32", 1e-3, 0.1, 4, 1,
+                      compile_model=True)
+    trainer.step([data[0]])
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for batch in data[1:]:
+            trainer.step([batch])
+    torch._dynamo.reset()

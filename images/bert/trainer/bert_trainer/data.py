@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -202,7 +202,7 @@ class Prefetcher:
 
     _DONE = object()
 
-    def __init__(self, source: Iterator, depth: int = 4, pin_memory: bool = False) -> None:
+    def __init__(self, source: Iterable, depth: int = 4, pin_memory: bool = False) -> None:
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._pin = pin_memory

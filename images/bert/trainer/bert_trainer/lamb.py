@@ -41,7 +41,7 @@ class Lamb(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.use_nvlamb = use_nvlamb
         self.fused = fused
-        self.last_grad_norm: torch.Tensor | None = None  # before clipping, for the log
+        self.last_grad_norm = torch.zeros(())  # before clipping, for the log
         # per group: (lr, step) as float64 device tensors, refilled before each step
         self._scalars: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._step_fn: Callable[..., torch.Tensor] = (

@@ -28,13 +28,25 @@ from bert_trainer.unpad import Varlen
 IGNORE = -100  # label of unused masked-LM slots (F.cross_entropy's ignore_index)
 
 
-def bias_gelu(bias: torch.Tensor, y: torch.Tensor, approximate: str) -> torch.Tensor:
-    return F.gelu(y + bias, approximate=approximate)
+def bias_gelu(bias: torch.Tensor | None, y: torch.Tensor, approximate: str) -> torch.Tensor:
+    return F.gelu(y if bias is None else y + bias, approximate=approximate)
 
 
-def bias_dropout_add_layernorm(y: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor,
-                               norm: nn.LayerNorm, p: float, training: bool) -> torch.Tensor:
-    return norm(residual + F.dropout(y + bias, p, training))
+def bias_dropout_add_layernorm(y: torch.Tensor, bias: torch.Tensor | None,
+                               residual: torch.Tensor, norm: nn.LayerNorm, p: float,
+                               training: bool) -> torch.Tensor:
+    return norm(residual + F.dropout(y if bias is None else y + bias, p, training))
+
+
+def project(linear: nn.Linear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x`` times ``linear``'s weight, and the bias still to add (an epilogue adds it).
+
+    A plain ``nn.Linear`` gives its bias to the epilogue, fused there; a layer of another
+    class (``--fp8``: torchao's ``Float8Linear``, fp8.py) runs its own forward, bias
+    included, since its matmul is not ``F.linear``."""
+    if type(linear) is nn.Linear:
+        return F.linear(x, linear.weight), linear.bias
+    return linear(x), None
 
 
 class Embeddings(nn.Module):
@@ -101,13 +113,13 @@ class Layer(nn.Module):
 
     def _after_attention(self, context: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, LayerNorm, then the feed-forward block (any shape)."""
-        x = bias_dropout_add_layernorm(F.linear(context, self.attention_out.weight),
-                                       self.attention_out.bias, x, self.attention_norm,
-                                       self.hidden_dropout, self.training)
-        inner = bias_gelu(self.intermediate.bias, F.linear(x, self.intermediate.weight),
-                          self.approximate)
-        return bias_dropout_add_layernorm(F.linear(inner, self.output.weight), self.output.bias,
-                                          x, self.output_norm, self.hidden_dropout,
+        y, bias = project(self.attention_out, context)
+        x = bias_dropout_add_layernorm(y, bias, x, self.attention_norm, self.hidden_dropout,
+                                       self.training)
+        y, bias = project(self.intermediate, x)
+        inner = bias_gelu(bias, y, self.approximate)
+        y, bias = project(self.output, inner)
+        return bias_dropout_add_layernorm(y, bias, x, self.output_norm, self.hidden_dropout,
                                           self.training)
 
 

@@ -14,6 +14,9 @@ Examples::
     ... --phase2 --init_checkpoint=/checkpoints --max_seq_length=512 \\
         --max_predictions_per_seq=80 --learning_rate=4e-3 --warmup_proportion=0.128
 
+    # float8 matmuls in the encoder on H100/H200 (torchao installed): bf16 elsewhere
+    ... --bf16 --o2 --fp8
+
     # continued pre-training of public weights (a Hugging Face folder, safetensors or
     # pytorch_model.bin; an NVIDIA checkpoint): phase 1 from them, their config's shape
     ... --init_checkpoint=bert-base-uncased --config_file=bert-base-uncased/config.json
@@ -129,6 +132,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     speed.add_argument("--o2", action="store_true",
                        help="bf16 weights and activations with fp32 master weights in LAMB "
                        "(with --bf16; halves the bytes of every elementwise pass)")
+    speed.add_argument("--fp8", action="store_true",
+                       help="float8 matmuls in the encoder's linear layers (torchao's float8 "
+                       "training; bf16 everywhere else): with --bf16, on an H100/H200 (compute "
+                       "capability 8.9 or later), with torchao installed")
+    speed.add_argument("--fp8_emulate", action="store_true",
+                       help="--fp8 with torchao's emulated float8 matmuls (any device, slow: "
+                       "for tests)")
     speed.add_argument("--prefetch", type=int, default=4, help="micro-batches read ahead")
     speed.add_argument("--log_freq", type=int, default=1, help="optimizer steps per log line")
     speed.add_argument("--peak_tflops", type=float, default=None,
@@ -150,6 +160,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--max_predictions_per_seq cannot exceed --max_seq_length")
     if args.o2 and args.precision not in (None, "bf16"):
         parser.error(f"--o2 needs bf16, not --{args.precision}")
+    args.fp8 = args.fp8 or args.fp8_emulate
+    if args.fp8 and args.precision not in (None, "bf16"):
+        parser.error(f"--fp8 runs beside bf16, not --{args.precision}")
     return args
 
 
@@ -203,6 +216,7 @@ def _train(args: argparse.Namespace, where) -> int:  # noqa: ANN001 - Placement
     from bert_trainer import checkpoint
     from bert_trainer.config import BertConfig, ConfigError
     from bert_trainer.data import Position, Prefetcher, ShardStream, shard_files
+    from bert_trainer.fp8 import check_support
     from bert_trainer.lineage import finished, phase_record, resumed
     from bert_trainer.metrics import JsonLog, Throughput, peak_tflops
     from bert_trainer.model import BertForPreTraining, count_parameters
@@ -240,6 +254,8 @@ def _train(args: argparse.Namespace, where) -> int:  # noqa: ANN001 - Placement
     if args.o2 and precision != "bf16":
         raise ConfigError(f"--o2 needs bf16, and this run is {precision} (pass --bf16 on a "
                           "device that has it)")
+    if args.fp8:  # no torchao or no float8 matmuls: one line now, before the model is built
+        check_support(device, precision, args.fp8_emulate)
     model = BertForPreTraining(config, unpadded=not args.padded)
     fused_lamb = compile_model if args.fused_lamb is None else args.fused_lamb
     ckpt_dir = checkpoint.phase_dir(args.output_dir, phase)
@@ -266,7 +282,8 @@ def _train(args: argparse.Namespace, where) -> int:  # noqa: ANN001 - Placement
     trainer = Trainer(model, device, precision, args.learning_rate, args.warmup_proportion,
                       args.max_steps, args.gradient_accumulation_steps, distributed,
                       compile_model, args.weight_decay, args.max_grad_norm,
-                      args.loss_scale_growth_interval, fused_lamb, args.o2)
+                      args.loss_scale_growth_interval, fused_lamb, args.o2, args.fp8,
+                      args.fp8_emulate)
     torch.manual_seed(args.seed + rank)  # dropout differs across ranks
     start = Position()
     if saved is not None:
@@ -293,6 +310,7 @@ def _train(args: argparse.Namespace, where) -> int:  # noqa: ANN001 - Placement
                "image": image, "image_digest": image_digest,
                "device": torch.cuda.get_device_name(device) if use_cuda else "cpu",
                "precision": precision, "compile": compile_model, "o2": args.o2,
+               "fp8": ("emulated" if args.fp8_emulate else bool(args.fp8)),
                "unpadded": not args.padded, "fused_lamb": fused_lamb,
                "parameters": count_parameters(model), "global_batch": global_batch,
                "micro_batch": micro_batch,

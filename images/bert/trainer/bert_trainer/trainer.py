@@ -16,6 +16,7 @@ from typing import Literal
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from bert_trainer import fp8 as float8
 from bert_trainer.data import Batch
 from bert_trainer.lamb import Lamb, parameter_groups
 from bert_trainer.master import MasterWeights
@@ -46,18 +47,24 @@ class Trainer:
                  accumulation: int, distributed: bool = False, compile_model: bool = False,
                  weight_decay: float = 0.01, max_grad_norm: float = 1.0,
                  loss_scale_growth_interval: int = 2000, fused_lamb: bool = False,
-                 o2: bool = False) -> None:
+                 o2: bool = False, fp8: bool = False, fp8_emulate: bool = False) -> None:
         if o2 and precision != "bf16":
             raise ValueError(f"O2 (bf16 weights, fp32 masters) needs bf16, not {precision}")
         self.model = model.to(device)
+        # float8 matmuls in the encoder (fp8.py): swapped before anything holds the modules
+        self.fp8_layers: list[str] = []
+        if fp8:  # torchao is imported here, not before: a run without --fp8 needs none
+            float8.check_support(device, precision, fp8_emulate)
+            self.fp8_layers = float8.convert_encoder(self.model, fp8_emulate)
         self.device, self.precision, self.accumulation = device, precision, accumulation
         self.distributed = distributed
         # O2: the model in bf16, LAMB on fp32 masters (master.py)
         self.master = MasterWeights(model, torch.bfloat16) if o2 else None
         if self.master is not None and distributed:
             self.master.broadcast()
+        masters = self.master.by_name() if self.master is not None else None
         self.optimizer = Lamb(parameter_groups(model, weight_decay, model.no_decay_names(),
-                                               self.master and self.master.by_name()),
+                                               masters),
                               lr=learning_rate, weight_decay=weight_decay,
                               max_grad_norm=max_grad_norm, fused=fused_lamb)
         self.scheduler = poly_warmup(self.optimizer, total_steps, warmup_proportion)
@@ -75,6 +82,7 @@ class Trainer:
         # Compiling the DDP module lets dynamo split graphs at bucket boundaries, so the
         # all-reduce still overlaps the backward pass.
         self.forward_module = torch.compile(module) if compile_model else module
+        self.compiled = compile_model
         self.autocast_dtype = None if o2 else {"bf16": torch.bfloat16,
                                                "fp16": torch.float16}.get(precision)
 
@@ -96,6 +104,11 @@ class Trainer:
             last = index == len(micro_batches) - 1
             sync = (self.ddp.no_sync() if self.ddp is not None and not last
                     else contextlib.nullcontext())
+            if self.compiled and self.model.unpadded:
+                # The unpadded encoder's token count differs from batch to batch: traced as
+                # a size from the first compile, not a constant that the second count
+                # would recompile for (BERT-Large: minutes of compiling).
+                torch._dynamo.maybe_mark_dynamic(batch.token_index, 0)
             with sync:
                 with self._autocast():
                     mlm_logits, nsp_logits = self.forward_module(
