@@ -27,6 +27,7 @@ from imgpipe.base.errors import ConfigError, ImgpipeError
 from imgpipe.base.files import atomic_write
 from imgpipe.base.platforms import Platform, host_platform
 from imgpipe.base.progress import Progress
+from imgpipe.pipeline.baseimage import DEFAULT_TAG
 from imgpipe.pipeline.catalog import Image, PythonPackages
 from imgpipe.pipeline.context import stage_context, sync_context, wheels_in
 from imgpipe.pipeline.gitinfo import Revision
@@ -170,6 +171,52 @@ class BaseResolver:
         return None if image_id is None else "image-id:" + image_id
 
 
+def require_bases(item: PlanItem) -> None:
+    """The base of every platform ``item`` builds is in the engine or its registry (as the
+    plan found it), else a ConfigError naming each missing platform and the command that
+    makes its base: checked before anything is built, never left to BuildKit (which would
+    look for the base on Docker Hub and fail after the other platforms were built, in a
+    page of resolver output).
+
+    Raises:
+        ConfigError: a base is missing.
+    """
+    if not item.platforms:  # one manifest of the build host's platform
+        if item.base_digest is None:
+            base = item.build_args["BASE_IMAGE"]
+            raise ConfigError(
+                f"base image {base} of {item.key} is neither in the Docker engine nor "
+                "reachable in its registry",
+                hint="pull or mirror it (imgpipe mirror), make one (imgpipe base-image), "
+                "or pass --base",
+            )
+        return
+    missing = [(platform, item.base_for(platform)) for platform in item.platforms
+               if item.platform_base_digests.get(str(platform)) is None]
+    if not missing:
+        return
+    many = len(missing) > 1
+    named = ", ".join(f"{base} ({platform})" for platform, base in missing)
+    raise ConfigError(
+        f"base image{'s' if many else ''} {named} of {item.key} {'are' if many else 'is'} "
+        "neither in the Docker engine nor reachable in its registry",
+        hint=f"make {'them' if many else 'it'}: "
+        + "; ".join(base_image_command(platform, base) for platform, base in missing)
+        + f"; or pull or mirror {'them' if many else 'it'} (imgpipe mirror), or build without "
+        + ", ".join(str(platform) for platform, _ in missing) + " (--platform)",
+    )
+
+
+def base_image_command(platform: Platform, base: str) -> str:
+    """The ``imgpipe base-image`` command line that makes ``base`` for ``platform``: its
+    default tag for that platform needs no --tag."""
+    if base == DEFAULT_TAG and platform == host_platform():
+        return "imgpipe base-image"
+    command = f"imgpipe base-image --platform {platform}"
+    return command if base == f"{DEFAULT_TAG}-{platform.tag_suffix}" else (
+        f"{command} --tag {base}")
+
+
 def make_plan(settings: Settings, images: list[Image], flavor: str, lock: LockFile, *,
               overrides: dict[str, str], base_override: str | None, wheels_dir: Path | None,
               resolver: BaseResolver, force: bool,
@@ -199,14 +246,7 @@ def build_item(settings: Settings, client: BuildClient, item: PlanItem,
     from imgpipe.base.engine import run_build
 
     require_wheels(settings, item, wheels_dir, secret_overrides)
-    if item.base_digest is None:
-        base = item.build_args["BASE_IMAGE"]
-        raise ConfigError(
-            f"base image {base} of {item.key} is neither in the Docker engine nor reachable "
-            "in its registry",
-            hint="pull or mirror it (imgpipe mirror), make one (imgpipe base-image), "
-            "or pass --base",
-        )
+    require_bases(item)
     repository = f"{settings.registry.address}/{item.image.spec.repository}"
     names = tag_names(item.image, item.flavor, revision)
     now = dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat()

@@ -45,6 +45,9 @@ class PlanItem:
     # The platforms of an index build (one manifest each under one index); empty: one
     # manifest of the build host's platform, as before platforms were named
     platforms: tuple[Platform, ...] = ()
+    # Each of those platforms' base, as the plan found it (its digest or image ID), or None
+    # where it is neither in the engine nor in its registry: the build refuses to start then
+    platform_base_digests: dict[str, str | None] = field(default_factory=dict)
 
     @property
     def input_hash(self) -> str:
@@ -101,9 +104,10 @@ def plan_image(image: Image, flavor: str, lock: LockFile, *, overrides: dict[str
     chosen = platforms or (image.platforms if image.spec.platforms else ())
     item = PlanItem(image, flavor, build_args, base_digest, inputs, files, platforms=chosen)
     if chosen:
-        bases = {str(p): resolve_base(item.base_for(p)) or f"unresolved:{item.base_for(p)}"
-                 for p in chosen}
-        inputs["platforms"] = _digest(bases)
+        found = {p: resolve_base(item.base_for(p)) for p in chosen}
+        inputs["platforms"] = _digest({str(p): digest or f"unresolved:{item.base_for(p)}"
+                                       for p, digest in found.items()})
+        item = replace(item, platform_base_digests={str(p): d for p, d in found.items()})
     previous = lock.entry(image.name, flavor)
     if force:
         return replace(item, action="build", reason="--force")

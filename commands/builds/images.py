@@ -23,6 +23,7 @@ from imgpipe.pipeline.builds import (
     build_item,
     make_plan,
     read_records,
+    require_bases,
     skipped,
 )
 from imgpipe.pipeline.catalog import Image, load_catalog, select
@@ -183,6 +184,9 @@ def build_images(settings: Settings, plan: ImagePlan, secrets: dict[str, Path],
     if unknown:
         raise ConfigError(f"unknown secret {sorted(unknown)[0]!r}",
                           hint="one of " + ", ".join(SECRET_NAMES))
+    for item in plan.items:  # every platform's base, before the first build starts
+        if item.action == "build":
+            require_bases(item)
     outcomes = []
     client = None
     rev = revision(settings.path(settings.images_dir))
@@ -385,6 +389,8 @@ def ci_merge(settings: Settings, flavor: str | None, wheels_dir: Path | None,
     todo = [item for item in plan.items if item.action == "build"]
     if not todo:
         return Merged()
+    for item in todo:
+        require_bases(item)
     registry = registry_client(settings)
     registry.ping()  # fail before an hour of building, not after
     client = find_build_client(settings.docker.client, settings.docker.host)

@@ -152,8 +152,9 @@ def _say_if_unpinned(settings: Settings, pinned: Reference | str, progress: Prog
             pinned = Reference.parse(pinned, default_registry=settings.registry.address)
         if pinned.digest is None or pinned.registry != settings.registry.address:
             return
-        found = find_published(registry_client(settings), pinned.repository, pinned.digest,
-                               settings.enroot.default_compression)
+        # A hint, asked once: a registry that is down costs no retries (1.8 s of backoff)
+        found = find_published(registry_client(settings, retries=0), pinned.repository,
+                               pinned.digest, settings.enroot.default_compression)
     except ImgpipeError:
         return
     if found:

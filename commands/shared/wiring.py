@@ -29,12 +29,14 @@ def registry_credentials(settings: Settings) -> Credentials | None:
     return None
 
 
-def registry_client(settings: Settings) -> RegistryClient:
+def registry_client(settings: Settings, retries: int = 3) -> RegistryClient:
+    """The configured registry with its credentials and CA; ``retries=0`` for a question
+    whose answer is only nice to have (no backoff when the registry is down)."""
     registry = settings.registry
     ca_file = settings.path(registry.ca_file) if registry.ca_file else None
     return RegistryClient(registry.url, credentials=registry_credentials(settings), ca_file=ca_file,
                           timeout=(registry.connect_timeout_s, registry.read_timeout_s),
-                          allow_http=registry.credentials.allow_http,
+                          retries=retries, allow_http=registry.credentials.allow_http,
                           blob_cache=registry.blob_cache)
 
 

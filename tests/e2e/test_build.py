@@ -309,6 +309,31 @@ def test_missing_base_image(project: CliRun) -> None:
     assert (project.folder / "imgpipe.lock").read_bytes() == before
 
 
+def test_a_platform_without_its_base_is_one_line_before_any_build(project: CliRun) -> None:
+    """An index build on a host that has the amd64 base and not the arm64 one: refused
+    before the amd64 build starts, in one line naming the platform and `imgpipe base-image`
+    (BuildKit would otherwise look for the base on Docker Hub, after building amd64)."""
+    spec = project.folder / "images" / "hello" / "image.yaml"
+    original = spec.read_text()
+    nowhere = "imgpipe-test/no-such-base:arm64"
+    changed = json.loads(original)
+    changed["flavors"]["cpu"]["platform_bases"] = {"linux/arm64": nowhere}
+    spec.write_text(json.dumps(changed))
+    lock = project.folder / "imgpipe.lock"
+    before = lock.read_bytes() if lock.exists() else None
+    try:
+        code, _, err = project("build", "hello", "--platform", "linux/amd64,linux/arm64")
+    finally:
+        spec.write_text(original)
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines() == [
+        f"error: base image {nowhere} (linux/arm64) of hello/cpu is neither in the Docker "
+        "engine nor reachable in its registry (hint: make it: imgpipe base-image --platform "
+        f"linux/arm64 --tag {nowhere}; or pull or mirror it (imgpipe mirror), or build "
+        "without linux/arm64 (--platform))"]
+    assert (lock.read_bytes() if lock.exists() else None) == before
+
+
 def test_unreachable_registry_on_push_keeps_the_lock(project: CliRun) -> None:
     assert project("build", "hello", "--force", "--build-arg", "UNUSED=1")[0] == 0
     before = (project.folder / "imgpipe.lock").read_bytes()

@@ -187,6 +187,58 @@ def test_a_flavor_that_needs_a_cpu_torch_wheel_is_never_built_without_one(tmp_pa
     require_wheels(settings, both, wheels, {})
 
 
+def test_a_platform_whose_base_is_nowhere_is_refused_before_the_build(tmp_path: Path
+                                                                      ) -> None:
+    """An index build for a platform whose base the engine and the registry lack (an amd64
+    host never made the arm64 one) stops before anything is built, in one line naming the
+    platform and the command that makes its base, rather than in BuildKit's page about
+    Docker Hub after the amd64 build.  The missing base is looked up for real: the engine's
+    answer for a name it cannot have (or no engine at all), as the build would see it."""
+    import os
+
+    from imgpipe.base.config import Settings
+    from imgpipe.base.platforms import parse_platforms
+    from imgpipe.commands.shared.wiring import registry_for
+    from imgpipe.pipeline.builds import BaseResolver, require_bases
+
+    nowhere = f"imgpipe-test/no-such-base-{os.getpid()}:arm64"
+    folder = make_image(tmp_path / "images", flavors={"cpu": {
+        "base": "imgpipe/debian-python:bookworm", "platform_bases": {"linux/arm64": nowhere}}})
+    settings = Settings(root=tmp_path)
+    looked_up = BaseResolver(settings, registry_for(settings))
+    made = {"imgpipe/debian-python:bookworm": "image-id:sha256:" + "a" * 64}  # amd64's
+
+    def engine(ref: str) -> str | None:
+        return made.get(ref) or looked_up(ref)
+
+    amd64 = plan(folder, LockFile(), resolve_base=engine,
+                 platforms=parse_platforms("linux/amd64"))
+    require_bases(amd64)  # its base is there: nothing to say
+    both = plan(folder, LockFile(), resolve_base=engine,
+                platforms=parse_platforms("linux/amd64,linux/arm64"))
+    assert both.platform_base_digests == {"linux/amd64": made["imgpipe/debian-python:bookworm"],
+                                          "linux/arm64": None}
+    with pytest.raises(ConfigError) as refused:
+        require_bases(both)
+    assert refused.value.message == (
+        f"base image {nowhere} (linux/arm64) of bert/cpu is neither in the Docker engine nor "
+        "reachable in its registry")
+    assert refused.value.hint == (
+        f"make it: imgpipe base-image --platform linux/arm64 --tag {nowhere}; or pull or "
+        "mirror it (imgpipe mirror), or build without linux/arm64 (--platform)")
+    # The repository's bert: its arm64 base is the one `imgpipe base-image --platform
+    # linux/arm64` makes under its default tag, so the command needs no --tag
+    bert = load_image(Path(__file__).resolve().parents[2] / "images" / "bert")
+    item = plan_image(bert, "cpu", LockFile(), overrides={}, base_override=None,
+                      wheels_dir=None, resolve_base=made.get,
+                      platforms=parse_platforms("linux/amd64,linux/arm64"))
+    with pytest.raises(ConfigError) as refused:
+        require_bases(item)
+    line = str(refused.value)  # as the CLI prints it after "error: "
+    assert "\n" not in line and "imgpipe/debian-python:bookworm-arm64 (linux/arm64)" in line
+    assert "make it: imgpipe base-image --platform linux/arm64; or pull" in line
+
+
 def test_the_wheels_are_an_input_by_content(tmp_path: Path) -> None:
     folder = make_image(tmp_path / "images")
     wheels = tmp_path / "wheels"

@@ -64,9 +64,10 @@ def _off_limits(module: str) -> bool:
     return any(module == banned or module.startswith(banned + ".") for banned in OFF_LIMITS)
 
 
-def node_side_violations(root: Path) -> list[str]:
-    """Every node-side module that reaches an off-limits one, with the shortest chain."""
-    graph = import_graph(root)
+def node_side_violations(root: Path, graph: dict[str, set[str]] | None = None) -> list[str]:
+    """Every node-side module that reaches an off-limits one, with the shortest chain
+    (``graph``: import_graph(root), when the caller read it already)."""
+    graph = import_graph(root) if graph is None else graph
     found = []
     for start in sorted(m for m in graph if m == NODE_SIDE or m.startswith(NODE_SIDE + ".")):
         came_from: dict[str, str | None] = {start: None}
@@ -93,9 +94,10 @@ def test_no_module_sits_at_the_top_of_commands() -> None:
 
 
 def test_the_node_side_reaches_no_build_side_and_no_demo() -> None:
-    found = node_side_violations(ROOT)
+    graph = import_graph(ROOT)
+    found = node_side_violations(ROOT, graph)
     assert found == [], "the node side imports the build side or the demo:\n" + "\n".join(found)
-    assert len(import_graph(ROOT)) > 100  # the tree was read, not an empty folder
+    assert len(graph) > 100  # the tree was read, not an empty folder
 
 
 def test_the_checks_name_the_module(tmp_path: Path) -> None:

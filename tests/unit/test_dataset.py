@@ -1,6 +1,7 @@
-"""Dataset preparation (bert_trainer.dataset): format, statistics, determinism, resume,
-corruption, Wikipedia markup, sources.  Fidelity to the reference recipe, shard counts and
-long documents: test_dataset_fidelity.py."""
+"""Dataset preparation (bert_trainer.dataset): format, statistics, corruption, Wikipedia
+markup, sources.  Determinism across workers and tasks, and a killed run's resume (many
+runs, processes killed): tests/e2e/test_dataset_runs.py; fidelity to the reference recipe,
+shard counts and long documents: tests/e2e/test_dataset_fidelity.py."""
 
 from __future__ import annotations
 
@@ -9,10 +10,9 @@ import hashlib
 import json
 import os
 import random
-import signal
+import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from xml.sax.saxutils import escape
 
@@ -42,14 +42,18 @@ def make_corpus(folder: Path, files: int = 3, documents: int = 40, seed: int = 7
     return folder
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("corpus")
+def corpus_with_vocab(root: Path) -> tuple[Path, Path]:
+    """The corpus of make_corpus in ``root`` and a vocabulary of 400 words trained on it."""
     source = make_corpus(root / "src")
     vocab = root / "vocab.txt"
     subprocess.run([*PY, "train-vocab", "--source", str(source), "--output", str(vocab),
                     "--vocab-size", "400"], check=True, capture_output=True, timeout=120)
     return source, vocab
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[Path, Path]:
+    return corpus_with_vocab(tmp_path_factory.mktemp("corpus"))
 
 
 def prepare(source: Path, vocab: Path, output: Path, *extra: str, env=None) -> dict:
@@ -66,16 +70,24 @@ def digests(output: Path) -> dict[str, str]:
             for p in sorted(output.glob("phase*/*.hdf5"))}
 
 
-def test_format_and_statistics(corpus, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def prepared(corpus, tmp_path_factory) -> tuple[dict, Path]:
+    """One run with the defaults (its summary, its output), for the tests that read what it
+    wrote; a test that changes the output changes its own copy."""
     source, vocab = corpus
-    summary = prepare(source, vocab, tmp_path / "out")
+    output = tmp_path_factory.mktemp("prepared") / "out"
+    return prepare(source, vocab, output), output
+
+
+def test_format_and_statistics(prepared) -> None:
+    summary, out = prepared
     for phase, (seq, pred) in {"1": (128, 20), "2": (512, 80)}.items():
         stats = summary["phases"][phase]
         assert 0.14 <= stats["masked_fraction"] <= 0.17
         assert 0.75 <= stats["mask_token_share"] <= 0.85
         assert 0.07 <= stats["random_token_share"] <= 0.13
         assert 0.35 <= stats["random_next_fraction"] <= 0.65
-        files = sorted((tmp_path / "out" / f"phase{phase}").glob("*.hdf5"))
+        files = sorted((out / f"phase{phase}").glob("*.hdf5"))
         # NVIDIA's run_pretraining.py only loads files whose name holds "training".
         assert [p.name for p in files] == [f"training_shard_{i:05d}.hdf5" for i in range(6)]
         for path in files:
@@ -113,52 +125,10 @@ def test_format_and_statistics(corpus, tmp_path: Path) -> None:
                     assert not {0, first_sep, lengths[row] - 1} & set(chosen.tolist())
 
 
-def test_same_seed_same_bytes_with_1_2_or_3_workers(corpus, tmp_path: Path) -> None:
-    source, vocab = corpus
-    outputs = []
-    for workers in (1, 2, 3):
-        prepare(source, vocab, tmp_path / f"w{workers}", "--workers", str(workers))
-        outputs.append(digests(tmp_path / f"w{workers}"))
-    assert outputs[0] == outputs[1] == outputs[2] and len(outputs[0]) == 12
-    # Two Slurm tasks splitting the shards give the same bytes too.
-    env_out = tmp_path / "tasks"
-    procs = [subprocess.Popen([*PY, "prepare", "--source", str(source), "--output", str(env_out),
-                               "--vocab", str(vocab), "--shards", "6", "--dupe-factor", "2"],
-                              env={**os.environ, "SLURM_PROCID": str(r), "SLURM_NTASKS": "2"},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for r in (0, 1)]
-    for proc in procs:
-        assert proc.wait(300) == 0, proc.stderr.read()[-2000:]
-    assert digests(env_out) == outputs[0]
-    prepare(source, vocab, tmp_path / "other-seed", "--seed", "1")
-    assert digests(tmp_path / "other-seed") != outputs[0]
-
-
-def test_killed_run_resumes_to_the_same_output(corpus, tmp_path: Path) -> None:
-    source, vocab = corpus
-    reference = tmp_path / "reference"
-    prepare(source, vocab, reference, "--workers", "1")
-    partial = tmp_path / "partial"
-    proc = subprocess.Popen([*PY, "prepare", "--source", str(source), "--output", str(partial),
-                             "--vocab", str(vocab), "--shards", "6", "--dupe-factor", "2",
-                             "--workers", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not list(partial.glob("records/shard_*.json")):
-        time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    done_before = len(list(partial.glob("records/shard_*.json")))
-    assert 1 <= done_before < 6, f"{done_before} shards done when killed: not mid-way"
-    summary = prepare(source, vocab, partial, "--workers", "1")
-    assert summary["phases"]["1"]["instances"] > 0
-    assert digests(partial) == digests(reference)
-    assert not list(partial.rglob(".tmp-*"))
-
-
-def test_corrupt_shard_is_detected_and_redone(corpus, tmp_path: Path) -> None:
+def test_corrupt_shard_is_detected_and_redone(corpus, prepared, tmp_path: Path) -> None:
     source, vocab = corpus
     out = tmp_path / "out"
-    prepare(source, vocab, out)
+    shutil.copytree(prepared[1], out)  # a run with the defaults, as the other tests read it
     before = digests(out)
     victim = out / "phase2" / "training_shard_00003.hdf5"
     data = bytearray(victim.read_bytes())
@@ -273,8 +243,6 @@ def test_download_resumes_a_partial_file(tmp_path: Path) -> None:
     assert not dest.with_name(dest.name + ".part").exists()
 
 
-def test_text_shards_are_balanced(corpus, tmp_path: Path) -> None:
-    source, vocab = corpus
-    prepare(source, vocab, tmp_path / "out")
-    sizes = [p.stat().st_size for p in sorted((tmp_path / "out" / "text").glob("shard_*.txt"))]
+def test_text_shards_are_balanced(prepared) -> None:
+    sizes = [p.stat().st_size for p in sorted((prepared[1] / "text").glob("shard_*.txt"))]
     assert len(sizes) == 6 and max(sizes) <= 1.2 * min(sizes)

@@ -1,12 +1,10 @@
 """NCCL validation: the parser and check on logs written for the tests, the transport report,
-the PyTorch all-reduce benchmark over gloo, and nccl.sub on the real one-node Slurm."""
+the plot.  The PyTorch all-reduce benchmark over gloo (torchrun and its ranks) runs in
+tests/e2e/test_nccl_gloo.py."""
 
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -187,31 +185,3 @@ def test_plot_is_a_real_png(cli, tmp_path: Path) -> None:
         colours = {colour for _, colour in image.convert("RGB").getcolors(maxcolors=1 << 20)}
     # the warn (90 %) and fail (70 %) lines, and the verdict written in pass green
     assert {(255, 127, 14), (214, 39, 40), (44, 160, 44)} <= colours
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.mark.parametrize("ranks", [3])  # an odd count: the bus bandwidth factor is 4/3
-def test_pytorch_benchmark_over_gloo_is_accepted(ranks: int, cli, tmp_path: Path) -> None:
-    torchrun = Path(sys.executable).parent / "torchrun"
-    result = subprocess.run(
-        [str(torchrun), "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1",
-         "--master-port", str(_free_port()), "-m", "bert_trainer.allreduce_bench",
-         "-b", "1K", "-e", "1M", "-f", "4", "-n", "5", "-w", "2"],
-        capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    [run] = parse(result.stdout)
-    assert run.ranks == ranks and len(run.rows) == 6
-    factor = 2 * (ranks - 1) / ranks
-    for r in run.rows:
-        for p in (r.out_of_place, r.in_place):
-            assert p.wrong == 0
-            assert p.busbw == pytest.approx(p.algbw * factor, abs=0.011)
-    path = write(tmp_path, result.stdout)
-    code, out, err = cli("nccl", "check", str(path), "--profile", "local")
-    assert code == 0, out + err
-    assert out.startswith(f"PASS: all_reduce on {ranks} rank(s)")

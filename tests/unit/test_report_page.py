@@ -8,6 +8,8 @@ import json
 from html.parser import HTMLParser
 from pathlib import Path
 
+import pytest
+
 from imgpipe.recipes.report import write_report
 from tests.report_layout import DIGEST, IMAGE, JOBS, jobs_results
 
@@ -42,15 +44,24 @@ class _Tables(HTMLParser):
             self._cell.append(data)
 
 
-def test_each_job_script_records_its_image_where_the_report_reads_it(tmp_path: Path) -> None:
-    results = jobs_results(tmp_path)
+@pytest.fixture(scope="module")
+def written(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str]:
+    """The results folder, and the report written for it as it is (what write_report
+    returned, the page), once for the tests that only read them."""
+    results = jobs_results(tmp_path_factory.mktemp("report"))
+    made = write_report(results)
+    return results, made, Path(made["report"]).read_text()
+
+
+def test_each_job_script_records_its_image_where_the_report_reads_it(
+        written: tuple[Path, dict, str]) -> None:
+    results, made, page = written
     for _, name, job_id, _ in JOBS:
         record = json.loads((results / f"{name}-{job_id}" / "ran_in.json").read_text())
         assert record == {"job": name, "id": job_id, "image": IMAGE, "image_digest": DIGEST,
                           "profile": {"name": "local", "busbw_gbs": 0.05, "gpus_per_node": 2}}
-    made = write_report(results)
     parser = _Tables()
-    parser.feed(Path(made["report"]).read_text())
+    parser.feed(page)
     jobs = parser.tables["jobs"]
     assert jobs[0] == ["job", "id", "state", "nodes", "elapsed", "runtime", "ran in"]
     assert {row[5] for row in jobs[1:]} == {"pyxis"}  # the runtime each job ran under
@@ -60,11 +71,10 @@ def test_each_job_script_records_its_image_where_the_report_reads_it(tmp_path: P
 
 
 def test_the_fill_mask_table_says_what_was_masked_and_whether_the_model_got_it(
-        tmp_path: Path) -> None:
-    results = jobs_results(tmp_path)
-    made = write_report(results)
+        written: tuple[Path, dict, str]) -> None:
+    _, made, page = written
     parser = _Tables()
-    parser.feed(Path(made["report"]).read_text())
+    parser.feed(page)
     table = parser.tables["fill-mask"]
     assert table[0] == ["sentence", "masked word", "top predictions", "got it"]
     assert [(row[1], row[3]) for row in table[1:]] == [
@@ -87,16 +97,18 @@ def test_a_job_that_ran_in_another_image_is_named(tmp_path: Path) -> None:
     assert parser.tables["jobs"][1][-1] == older
 
 
-def test_nccl_is_judged_by_the_profile_its_job_was_rendered_for(tmp_path: Path) -> None:
+def test_nccl_is_judged_by_the_profile_its_job_was_rendered_for(
+        written: tuple[Path, dict, str], tmp_path: Path) -> None:
     """The NCCL job records its profile; the report judges by it and says so first, unless
     asked for another (an H100 fabric is never judged by the sandbox's 0.05 GB/s unasked)."""
-    results = jobs_results(tmp_path)
-    recorded = write_report(results)["summary"]["nccl"]
+    results, made, _ = written
+    recorded = made["summary"]["nccl"]
     assert recorded["judged_against"] == ("judged against profile local (0.05 GB/s expected), "
                                           "as the NCCL job recorded it (recipes render "
                                           "--profile)")
-    asked = write_report(results, profile=("dgx-h100", 360.0))["summary"]["nccl"]
+    asked = write_report(results, tmp_path / "asked",
+                         profile=("dgx-h100", 360.0))["summary"]["nccl"]
     assert asked["verdict"] == "FAIL" and asked["expected_busbw_gbs"] == 360.0
     assert asked["judged_against"].startswith("judged against profile dgx-h100 (360 GB/s")
-    page = Path(write_report(results)["report"]).read_text()
+    page = Path(write_report(results, tmp_path / "again")["report"]).read_text()
     assert "judged against profile local" in page
