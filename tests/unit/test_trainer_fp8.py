@@ -4,7 +4,7 @@ precision): the converted model is the same function within float8's rounding, t
 modules were swapped and keep their names, the trainer steps with it; and every way the
 flag cannot run is one line.  On a GPU with float8 matmuls (compute capability 8.9+: H100,
 H200) the real kernels train, compiled (bench/gpu_trainer.sh runs this file there).  The
-tests that need torchao skip when it cannot be imported."""
+tests that need torchao skip only where it cannot be imported (the test extra installs it)."""
 
 from __future__ import annotations
 
