@@ -4,7 +4,6 @@ into seconds since the job's start, and the machine's CPU time from /proc/stat."
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 from pathlib import Path
 from types import ModuleType
@@ -12,18 +11,12 @@ from types import ModuleType
 import pytest
 
 from imgpipe.enroot.published.relay import NodeTimes, stages_line
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench_scripts import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_fanout",
-                                                  ROOT / "bench" / "bench_fanout.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("bench_fanout")
 
 
 def test_the_wrapper_says_the_cpu_time_of_the_importer_and_its_children(

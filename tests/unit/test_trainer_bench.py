@@ -4,8 +4,6 @@ it writes has the keys the GPU table is made from) is tests/e2e/test_trainer_slo
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import ModuleType
 
 import numpy as np
@@ -13,16 +11,11 @@ import pytest
 import torch
 from bert_trainer.config import BertConfig
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench_scripts import load_bench
 
 
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_trainer",
-                                                  ROOT / "bench" / "bench_trainer.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("bench_trainer")
 
 
 def test_real_lengths_carry_the_published_mean() -> None:

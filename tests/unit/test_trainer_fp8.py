@@ -9,13 +9,9 @@ tests that need torchao skip only where it cannot be imported (the test extra in
 from __future__ import annotations
 
 import builtins
-import contextlib
 import copy
-import faulthandler
 import math
-import signal
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -31,6 +27,8 @@ from bert_trainer.pretrain import main as pretrain_main
 from bert_trainer.synthetic import instances, write_shards
 from bert_trainer.trainer import Trainer
 from torch import nn
+
+from tests.trainer_signals import handlers_kept
 
 SEQ, PRED = 32, 5
 CPU = torch.device("cpu")
@@ -147,18 +145,6 @@ def test_float8_without_torchao_is_one_line(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(builtins, "__import__", no_torchao)
     with pytest.raises(fp8.Fp8Error, match=r"^--fp8 needs torchao \(pip install torchao; "):
         fp8.check_support(CPU, "bf16", emulate=True)
-
-
-@contextlib.contextmanager
-def handlers_kept() -> Iterator[None]:
-    """pretrain.main takes SIGTERM, SIGUSR1 and SIGUSR2 for itself: give them back."""
-    kept = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        yield
-    finally:
-        for number, handler in kept.items():
-            signal.signal(number, handler)
-        faulthandler.unregister(signal.SIGUSR2)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU's refusal")

@@ -5,14 +5,10 @@ private umask."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import faulthandler
 import json
 import os
-import signal
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,21 +20,11 @@ from bert_trainer.pretrain import main as pretrain_main
 from bert_trainer.schedule import poly_warmup_factor
 from bert_trainer.synthetic import write_shards
 
+from tests.trainer_signals import handlers_kept
+
 SEQ, PRED, RATE, WARMUP = 32, 5, 1e-3, 0.5
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(TINY.vocab_size
                                                                                    - 5)]
-
-
-@contextlib.contextmanager
-def handlers_kept() -> Iterator[None]:
-    """pretrain.main takes SIGTERM, SIGUSR1 and SIGUSR2 for itself: give them back."""
-    kept = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        yield
-    finally:
-        for number, handler in kept.items():
-            signal.signal(number, handler)
-        faulthandler.unregister(signal.SIGUSR2)
 
 
 def pretrain(data: Path, config: Path, output: Path, *extra: str) -> int:
