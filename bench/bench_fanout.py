@@ -54,7 +54,6 @@ import argparse
 import json
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -65,11 +64,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from fanout_accounting import (  # noqa: E402  (bench/, on the path above)
+    machine_cpu,
+    machine_cpu_since,
+    sbcast_timer,
+    stage_times,
+    task_cpu_s,
+    timed_importer,
+)
+from fanout_report import MODES, report, stages_text  # noqa: E402
 
 from imgpipe.base.units import parse_size  # noqa: E402
 from imgpipe.enroot.published.artifact import publish  # noqa: E402
 from imgpipe.enroot.published.pins import PINS_ENV  # noqa: E402
-from imgpipe.enroot.published.relay import parse_stages  # noqa: E402
 from imgpipe.recipes.runtimes import prelude  # noqa: E402
 from imgpipe.recipes.sandbox import Sandbox, SandboxSpec, running  # noqa: E402
 from imgpipe.recipes.staging import stage_function  # noqa: E402
@@ -77,9 +86,10 @@ from imgpipe.registry.client import RegistryClient  # noqa: E402
 from tests import services  # noqa: E402
 from tests.published_image import sha256_file  # noqa: E402
 
-MODES = ("fetch", "sbcast", "broadcast", "tier", "sbcast+tier")
 NODE_CACHE = "/var/tmp/imgpipe-bench"
 TIER_PORT = 5080
+# at the largest N: sbcast's block size and tree width
+VARIANTS = ("sbcast-64M", "sbcast-fanout2", "sbcast-fanout4")
 
 
 def squashfs_of_bert() -> Path:
@@ -119,47 +129,6 @@ def publish_image(client: RegistryClient, url: str, repository: str, squashfs: P
             "bytes": squashfs.stat().st_size}
 
 
-def sbcast_timer(folder: Path) -> Path:
-    """sbcast itself, with its start and end printed (IMGPIPE_SBCAST names it)."""
-    path = folder / "timed-sbcast"
-    path.write_text('#!/bin/sh\necho "sbcast-start $(date +%s.%N)"\nsbcast "$@"\nstatus=$?\n'
-                    'echo "sbcast-end $(date +%s.%N)"\nexit $status\n')
-    path.chmod(0o755)
-    return path
-
-
-def timed_importer(folder: Path, importer: str) -> Path:
-    """The importer, with the CPU time it and its children used said after it in one line
-    (bash's ``time``, which counts the children it waited for: the batch host's fetch)."""
-    path = folder / "timed-importer"
-    path.write_text('#!/bin/bash\nTIMEFORMAT="cpu-task $(hostname) $1 %3U %3S"\n'
-                    f'time {shlex.quote(importer)} "$@"\n')
-    path.chmod(0o755)
-    return path
-
-
-def task_cpu_s(text: str) -> float:
-    """The CPU seconds (user + system) of every importer task a job's output tells."""
-    return round(sum(float(user) + float(system) for user, system in re.findall(
-        r"^cpu-task \S+ \S+ ([0-9.]+) ([0-9.]+)$", text, re.M)), 2)
-
-
-def machine_cpu() -> list[int]:
-    """/proc/stat's first line: jiffies of all cores (user nice system idle iowait irq
-    softirq steal)."""
-    return [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-
-
-def machine_cpu_since(before: list[int]) -> dict[str, float]:
-    """The machine's CPU time since ``before``: busy and iowait seconds, and the busy share
-    of all its cores."""
-    spent = [b - a for a, b in zip(before, machine_cpu(), strict=True)]
-    tick, total = os.sysconf("SC_CLK_TCK"), sum(spent) or 1
-    busy = total - spent[3] - spent[4]
-    return {"machine_cpu_s": round(busy / tick, 2), "machine_iowait_s": round(spent[4] / tick, 2),
-            "machine_busy": round(busy / total, 3), "cores": os.cpu_count() or 1}
-
-
 def limit_nodes(cluster: Sandbox, rate: str) -> None:
     """Every compute host's link: the token bucket the sandbox gives the head
     (recipes.sandbox ``_limit_head``), on eth0's egress inside the host's namespace."""
@@ -171,33 +140,6 @@ def limit_nodes(cluster: Sandbox, rate: str) -> None:
         if done.returncode != 0:
             sys.exit(f"bench_fanout: tc could not limit {host.name}'s link to {rate}: "
                      f"{done.stderr.strip()}")
-
-
-def stage_times(text: str, start: float) -> dict | None:
-    """The broadcast's stage times in a job's output, in seconds since the job's start
-    (the hops' cost in seconds per hop); None without the line."""
-    stages = parse_stages(text)
-    began = stages.get("start") if stages is not None else None
-    if stages is None or not isinstance(began, (int, float)):
-        return None
-    shift = began - start  # the batch host's task began its fetch then
-
-    def at(key: str) -> float | None:
-        value = stages.get(key)
-        return round(shift + value, 2) if isinstance(value, (int, float)) else None
-
-    fetch = stages.get("fetch")
-    return {"batch_fetch_start": round(shift, 2), "mpi_ready": at("ready_last"),
-            "batch_first_chunk": at("first_chunk"), "batch_fetch_done": at("fetch"),
-            "batch_fetch_s": round(fetch, 2) if isinstance(fetch, (int, float)) else None,
-            "first_byte_last_node": at("first_byte_last_node"), "last_unit": at("last_unit"),
-            "final_check": at("final_check"), "gathered": at("gathered"),
-            "per_hop_s": stages.get("per_hop_s"), "per_hop_last_s": stages.get("per_hop_last_s"),
-            "nodes": stages.get("nodes")}
-
-
-# at the largest N: sbcast's block size and tree width
-VARIANTS = ("sbcast-64M", "sbcast-fanout2", "sbcast-fanout4")
 
 
 def job_script(folder: Path, importer: str, mode: str, uri: str) -> Path:
@@ -366,44 +308,9 @@ def measure(cluster: Sandbox, folder: Path, image: dict, nodes: int, modes: tupl
               + f"; CPU: tasks {row['task_cpu_s']} s, machine {row['machine_cpu_s']} s "
               f"({100 * row['machine_busy']:.0f}% of {row['cores']} cores, iowait "
               f"{row['machine_iowait_s']} s)"
-              + (f"\n    stages (s since the job's start): {_stages_text(row['stages'])}"
+              + (f"\n    stages (s since the job's start): {stages_text(row['stages'])}"
                  if "stages" in row else ""),
               flush=True)
-
-
-def _stages_text(stages: dict) -> str:
-    names = (("mpi_ready", "every task's MPI ready"), ("batch_first_chunk", "first chunk checked"),
-             ("first_byte_last_node", "first byte at the last node"),
-             ("batch_fetch_done", "batch host's fetch done"), ("last_unit", "last unit in"),
-             ("final_check", "final check"), ("gathered", "gathered"))
-    said = [f"{text} {stages[key]}" for key, text in names if stages.get(key) is not None]
-    return ", ".join(said) + (f"; per hop {1000 * stages['per_hop_s']:.1f} ms (first byte), "
-                              f"{1000 * (stages.get('per_hop_last_s') or 0):.1f} ms (last)"
-                              if stages.get("per_hop_s") is not None else "")
-
-
-def plot(results: dict, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    bert = results["bert"]
-    counts = sorted(int(n) for n in bert)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for mode in MODES:
-        xs = [n for n in counts if "seconds" in bert[str(n)].get(mode, {})]
-        left.plot(xs, [bert[str(n)][mode]["seconds"] for n in xs], marker="o", label=mode)
-        right.plot(xs, [bert[str(n)][mode]["registry_bytes"] / 1e9 for n in xs], marker="o",
-                   label=mode)
-    left.set(xlabel="nodes", ylabel="seconds until every node's first task",
-             title="bert squashfs, node-local caches")
-    right.set(xlabel="nodes", ylabel="GB the registry served", title="registry egress")
-    for axis in (left, right):
-        axis.grid(alpha=0.3)
-        axis.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
 
 
 def main() -> None:
@@ -472,43 +379,6 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report(results, counts, args.out)
-
-
-def _rows(image: str, row: dict, one: float | None) -> list[str]:
-    """One line per mode of one N: seconds, the ratio to every node fetching (and to one
-    node, given its time), what the registry served."""
-    base = row.get("fetch", {}).get("seconds")
-    lines = []
-    for mode, got in row.items():
-        if "error" in got:
-            lines.append(f"{image} {mode:14} failed: {got['error']}")
-            continue
-        ratio = f"{got['seconds'] / base:.2f}" if base else "-"
-        versus_one = f"{got['seconds'] / one:10.2f}" if one else ""
-        lines.append(f"{image} {mode:14} {got['seconds']:8.1f} {ratio:>9} {versus_one} "
-                     f"{got['registry_bytes'] / 1e9:12.2f} {got['copies_served']:7} "
-                     f"{got.get('task_cpu_s', 0):8.1f} {got.get('machine_cpu_s', 0):8.1f} "
-                     f"{100 * got.get('machine_busy', 0):5.0f}%")
-        if "stages" in got:
-            lines.append(f"{'':31}stages: {_stages_text(got['stages'])}")
-    return lines
-
-
-def report(results: dict, counts: list[int], out: Path) -> None:
-    bert = results["bert"]
-    one = bert["1"]["sbcast"]["seconds"]
-    print(f"\none node: {one:.1f} s (registry link {results['registry_rate']}, nodes' links "
-          f"{results.get('node_rate') or 'unshaped'}, {results.get('cores')} cores)")
-    print(f"{'image':14} {'mode':14} {'seconds':>8} {'vs fetch':>9} {'vs 1 node':>10} "
-          f"{'registry GB':>12} {'copies':>7} {'task CPU':>8} {'all CPU':>8} {'busy':>6}")
-    for nodes in counts[1:]:
-        print("\n".join(_rows(f"bert N={nodes:<6}", bert[str(nodes)], one)))
-    for nodes, row in results["generated"].items():
-        print("\n".join(_rows(f"generated N={nodes:<1}", row, None)))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "fanout.json").write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, out / "fanout.png")
-    print(f"wrote {out / 'fanout.json'} and {out / 'fanout.png'}")
 
 
 if __name__ == "__main__":

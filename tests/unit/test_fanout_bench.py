@@ -49,7 +49,7 @@ def test_the_stage_line_becomes_seconds_since_the_jobs_start(bench: ModuleType) 
     assert stages["batch_fetch_s"] == 19.0 and stages["first_byte_last_node"] == 4.7
     assert stages["last_unit"] == 21.7 and stages["final_check"] == 22.1
     assert stages["gathered"] == 22.5 and stages["per_hop_s"] == 0.1 and stages["nodes"] == 3
-    assert "first byte at the last node 4.7" in bench._stages_text(stages)
+    assert "first byte at the last node 4.7" in bench.stages_text(stages)
     assert bench.stage_times("start 1.0\nno stages here\n", 1.0) is None
 
 
