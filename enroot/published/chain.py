@@ -149,7 +149,11 @@ def own_address(toward: str, port: int = 9) -> str:
             address = str(probe.getsockname()[0])
             if not address.startswith("127.") and address != "::1":
                 return address
-    return socket.gethostbyname(socket.gethostname())
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError as exc:
+        raise StalledError(f"this host's address toward {toward} cannot be found ({exc})"
+                           ) from None
 
 
 def listen(address: str) -> tuple[socket.socket, bytearray]:
