@@ -56,16 +56,25 @@ stage_image() {
         if ! srun --mpi=list 2>&1 | grep -qw pmix; then
           echo "${0##*/}: Slurm has no pmix plugin here (srun --mpi=list): staging with" \
             "sbcast" >&2
-        # MPI starts the step and says where each node listens (the bytes go down a chain
-        # of TCP connections); waiting ranks yield their core instead of spinning on it; no
-        # memory patcher (with it, 2 of 6 sandbox runs lost a task to SIGSEGV; it serves
-        # RDMA registration caches)
-        elif got=$(OMPI_MCA_mpi_yield_when_idle=1 OMPI_MCA_memory='^patcher' \
-            srun -N"$nodes" -n"$nodes" --ntasks-per-node=1 --mpi=pmix --kill-on-bad-exit=1 \
-            "$IMGPIPE_IMPORTER" broadcast "$uri" | sort -u); then
-          mode=broadcast
         else
-          echo "${0##*/}: the broadcast of $uri failed: staging with sbcast" >&2
+          # MPI starts the step and says where each node listens (the bytes go down a chain
+          # of TCP connections); waiting ranks yield their core instead of spinning on it;
+          # no memory patcher (with it, 2 of 6 sandbox runs lost a task to SIGSEGV; it serves
+          # RDMA registration caches).  A second try where the first failed: the batch
+          # host's MPI start itself crashed in about 1 of 20 sandbox runs (inside MPI_Init)
+          local try
+          for try in 1 2; do
+            if got=$(OMPI_MCA_mpi_yield_when_idle=1 OMPI_MCA_memory='^patcher' \
+                srun -N"$nodes" -n"$nodes" --ntasks-per-node=1 --mpi=pmix \
+                --kill-on-bad-exit=1 "$IMGPIPE_IMPORTER" broadcast "$uri" | sort -u); then
+              mode=broadcast
+              break
+            elif [ "$try" = 1 ]; then
+              echo "${0##*/}: the broadcast of $uri failed: trying it once more" >&2
+            else
+              echo "${0##*/}: the broadcast of $uri failed: staging with sbcast" >&2
+            fi
+          done
         fi ;;
       *) echo "${0##*/}: $uri has no squashfs pin (IMGPIPE_SQUASHFS_PINS): staging with" \
            "sbcast" >&2 ;;

@@ -85,7 +85,10 @@ def _fetch_and_tell(uri: str, fd: int) -> int:
                 "chunk_size": checked.chunk_size, "upto": checked.upto}
             if not told:  # the chunk list once (up to 4,096 digests)
                 word["digests"], told = list(checked.digests), True
-            out.write(json.dumps(word).encode() + b"\n")
+            try:
+                out.write(json.dumps(word).encode() + b"\n")
+            except BrokenPipeError:  # the task gone (its MPI start crashed, the step was
+                os._exit(1)  # killed): no fetch or conversion goes on for nobody
 
         try:
             entry = get(uri, verified=tell)

@@ -14,6 +14,7 @@ from imgpipe.cli.importer import main as importer_main
 from imgpipe.recipes.errors import RecipeError
 from imgpipe.recipes.profiles import load_profile
 from imgpipe.recipes.render import RecipeInputs, render_bundle
+from imgpipe.recipes.staging import stage_function
 
 PINNED = "head:5000/imgpipe/bert@sha256:" + "a" * 64
 SCRIPTS = ("run.sub", "dataset.sub", "nccl.sub")
@@ -113,3 +114,31 @@ def test_broadcast_runs_one_mpi_step_and_falls_back_to_sbcast(tmp_path: Path,
                            *(str(tmp_path / name) for name in SCRIPTS)],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stdout
+
+
+@pytest.mark.parametrize("fails", [1, 2])
+def test_a_broadcast_step_that_fails_is_tried_once_more_then_sbcast(tmp_path: Path,
+                                                                     fails: int) -> None:
+    """The batch host's MPI start crashed now and then (inside MPI_Init): stage_image, run by
+    bash with a Slurm whose broadcast step fails ``fails`` times, tries the step a second
+    time, and stages with sbcast only when that fails too."""
+    calls = tmp_path / "calls"
+    srun = tmp_path / "srun"
+    srun.write_text(
+        "#!/bin/sh\n"
+        'case "$*" in *--mpi=list*) echo "MPI plugin types are... pmix"; exit 0 ;; esac\n'
+        f'echo "$*" >>{calls}\n'
+        f'[ "$(wc -l <{calls})" -gt {fails} ] || exit 1\n'
+        'echo "/var/tmp/entry.sqsh"\n')
+    srun.chmod(0o755)
+    pin = "sha256:" + "b" * 64
+    script = "\n".join([
+        "set -euo pipefail", f"CONT={PINNED}",
+        stage_function("charliecloud", "broadcast", "/bin/false", 2, "4M")])
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
+                          env={"PATH": f"{tmp_path}:/usr/bin:/bin", "SLURM_JOB_NUM_NODES": "2",
+                               "IMGPIPE_SQUASHFS_PINS": f"{PINNED.rsplit('@', 1)[1]}={pin}"})
+    tries = [line for line in calls.read_text().splitlines() if " broadcast " in line]
+    assert len(tries) == 2, calls.read_text()
+    assert "failed: trying it once more" in done.stderr, done.stderr
+    assert ("staging with sbcast" in done.stderr) == (fails == 2), done.stderr
