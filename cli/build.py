@@ -11,6 +11,7 @@ import click
 from imgpipe.base.config import Settings
 from imgpipe.base.platforms import Platform, parse_platforms
 from imgpipe.base.progress import Progress, choose_mode
+from imgpipe.base.units import human_bytes
 from imgpipe.cli.clikit import CONTEXT, invocation, reporting, settings_of
 from imgpipe.cli.output import Result
 from imgpipe.commands.builds.convert import convert_each_platform
@@ -19,12 +20,12 @@ from imgpipe.commands.builds.images import (
     build_images,
     ci_merge,
     lock_file,
-    mirror_image,
     plan_images,
     push_images,
     selftest_named,
     unconverted,
 )
+from imgpipe.commands.builds.mirror import mirror_image
 from imgpipe.commands.registry.published import Published, publish_all, publish_squashfs
 
 
@@ -233,20 +234,34 @@ def selftest(ctx: click.Context, image_name: str, flavor: str | None) -> Result:
 @click.argument("dest", metavar="[DEST]", required=False)
 @reporting
 def mirror(ctx: click.Context, source: str, dest: str | None) -> Result:
-    """Copy an image (the NGC PyTorch base, say) into the head-node registry.
+    """Copy an image (the NGC PyTorch base, say) into the site registry by digest.
 
-    Builds on worker nodes then pull it locally.  DEST is a repository:tag in
-    the configured registry (default: SRC's repository and tag).
+    Registry to registry: every platform of a multi-platform image, every
+    blob, the same digests on both sides (a pin taken from nvcr.io holds in
+    the mirror).  Every byte is checked against its digest; a copy broken
+    off goes on where it stopped when run again (blobs the site registry has
+    are not sent twice), and DEST is tagged only once all of it is there.
+    Credentials for SRC's registry come from `docker login` or ~/.netrc.
+
+    DEST is a repository:tag in the configured registry (default: SRC's
+    repository and tag).
 
     \b
     Example:
+      docker login nvcr.io   # user $oauthtoken, your NGC API key
       imgpipe mirror nvcr.io/nvidia/pytorch:24.05-py3
       imgpipe build bert --flavor ngc --base 127.0.0.1:5000/nvidia/pytorch:24.05-py3
     """
     done = mirror_image(settings_of(ctx), source, dest,
                         Progress(choose_mode(invocation(ctx).json)))
-    return Result({"source": done.source, "target": str(done.target), "digest": done.digest},
-                  [f"mirrored {source} -> {done.target.canonical}@{done.digest}"])
+    sent = (f"{done.blobs_copied} blob(s) copied ({human_bytes(done.bytes_copied)}), "
+            f"{done.blobs_present} there already")
+    return Result({"source": done.source, "target": str(done.target), "digest": done.digest,
+                   "platforms": done.platforms, "blobs_copied": done.blobs_copied,
+                   "blobs_present": done.blobs_present, "bytes_copied": done.bytes_copied},
+                  [f"mirrored {source} -> {done.target.canonical}"
+                   + ("" if done.target.digest else f"@{done.digest}")
+                   + (f" ({', '.join(done.platforms)})" if done.platforms else "") + f": {sent}"])
 
 
 @click.command(context_settings=CONTEXT)

@@ -39,7 +39,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
         "Run the self-test image.yaml names, in a container of the last build (no "
         "network)."),
     "mirror": ("imgpipe.cli.build", "mirror",
-        "Copy an image (the NGC PyTorch base, say) into the head-node registry."),
+        "Copy an image (the NGC PyTorch base, say) into the site registry by digest."),
     "ci": ("imgpipe.cli.build", "ci",
         "What CI runs on every merge: plan, build what changed, self-test, push, lock."),
     "lock": ("imgpipe.cli.lock", "lock",

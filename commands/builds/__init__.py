@@ -3,7 +3,8 @@ head node.
 
 One floor: none imports another (what two of them share sits in registry/ or site/):
 
-    images          plan, build, push, self-test, mirror, the lock, what CI runs per merge
+    images          plan, build, push, self-test, the lock, what CI runs per merge
+    mirror          ``imgpipe mirror``: an image copied into the site registry by digest
     baseimage       ``imgpipe base-image``: a Debian + Python base by debootstrap
     convert         an image of the catalog (or any reference) converted, and the lock's
                     record of its squashfs

@@ -32,7 +32,6 @@ from imgpipe.pipeline.lock import LockEntry, LockFile, lock_path, read_lock, upd
 from imgpipe.pipeline.plan import PlanItem
 from imgpipe.pipeline.push import PushOutcome, push_record
 from imgpipe.pipeline.remote import pushed_entries
-from imgpipe.registry.reference import Reference
 
 SECRET_NAMES = ("ca_bundle", "pip_config", "ngc_api_key")
 
@@ -51,13 +50,6 @@ class ImagePlan:
 class Built:
     outcomes: list[BuildOutcome]
     engine_called: bool
-
-
-@dataclass(frozen=True)
-class Mirrored:
-    source: str
-    target: Reference
-    digest: str | None
 
 
 @dataclass(frozen=True)
@@ -351,35 +343,6 @@ def _selftest_images(settings: Settings, image: Image, flavor: str, progress: Pr
                 raise ImgpipeError(exc.message, hint="docker login to the registry, or check "
                                    "that the engine may pull from it") from exc
     return wanted
-
-
-def mirror_image(settings: Settings, source: str, dest: str | None, progress: Progress
-                 ) -> Mirrored:
-    """Pull ``source`` (unless the engine has it), tag it into the configured registry, push."""
-    src = Reference.parse(source, default_registry="docker.io")
-    target = Reference.parse(dest or f"{src.repository}:{src.tag or 'latest'}",
-                             default_registry=settings.registry.address)
-    if target.registry != settings.registry.address:
-        raise ConfigError(f"DEST must be in the configured registry {settings.registry.address}",
-                          hint="give DEST as repository:tag")
-    registry = registry_client(settings)
-    registry.ping()
-    docker_engine = Engine(settings.docker.host, timeout=600)
-    if docker_engine.image_id(source) is None:
-        progress.step(f"pull {source}")
-        try:
-            docker_engine.pull(source)
-        except EngineError as exc:
-            raise ImgpipeError(exc.message,
-                               hint="docker login to its registry, or check the name") from exc
-    docker_engine.tag(source, f"{target.registry}/{target.repository}", target.tag or "latest")
-    progress.step(f"push {target}")
-    try:
-        docker_engine.push(str(target), progress.transfer(f"push {target}", None),
-                           progress.detail)
-    finally:
-        progress.done()
-    return Mirrored(source, target, registry.manifest_digest(target.repository, target.reference))
 
 
 def ci_merge(settings: Settings, flavor: str | None, wheels_dir: Path | None,

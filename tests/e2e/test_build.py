@@ -379,15 +379,3 @@ def test_ci_stops_on_a_failing_selftest_and_keeps_the_lock(tmp_path, registry_se
     assert err.strip().splitlines()[-1].startswith(
         "error: self-test of flaky/cpu failed (exit 4): self-test says no")
     assert not (tmp_path / "imgpipe.lock").exists()
-
-
-def test_mirror_copies_a_base_image_into_the_registry(cli, registry_server, base_image) -> None:
-    cli.write_config({"registry": {"port": registry_server.port}})
-    code, out, err = cli("mirror", base_image, "mirror/debian:1", "--json")
-    assert code == 0, err
-    data = json.loads(out)["data"]
-    assert data["target"] == f"{registry_server.address}/mirror/debian:1"
-    registry = RegistryClient(registry_server.url)
-    assert data["digest"] == registry.manifest_digest("mirror/debian", "1")
-    code, _, err = cli("mirror", "imgpipe-test/not-anywhere:1")
-    assert code == 1 and "cannot pull imgpipe-test/not-anywhere:1" in err
