@@ -134,6 +134,11 @@ class CacheServerConfig(_Strict):
         return value
 
 
+_MIRRORED_HOST = re.compile(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*"
+                            r"(:[0-9]{1,5})?")
+_REPOSITORY_PREFIX = re.compile(r"[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*")
+
+
 class RegistryConfig(_Strict):
     """The registry imgpipe pushes to and reads from."""
 
@@ -158,6 +163,24 @@ class RegistryConfig(_Strict):
                                    "from the registry itself when it does not answer; "
                                    "manifests always come from the registry")
     cache_server: CacheServerConfig = CacheServerConfig()
+    mirrors: dict[str, str] = Field(default_factory=dict, description="other registries whose "
+                                    "images the site registry holds (imgpipe mirror), each "
+                                    "under a repository prefix (\"\": the same names): "
+                                    "{nvcr.io: \"\"} runs a job's nvcr.io#nvidia/pytorch:TAG "
+                                    "from HOST:PORT/nvidia/pytorch:TAG, so nodes need no route "
+                                    "to nvcr.io; builds take such bases from there too")
+
+    @field_validator("mirrors")
+    @classmethod
+    def _mirror_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for address, prefix in value.items():
+            if not _MIRRORED_HOST.fullmatch(address):
+                raise ValueError(f"{address!r} is not a registry address such as nvcr.io or "
+                                 "registry.example:5000")
+            if prefix and not _REPOSITORY_PREFIX.fullmatch(prefix):
+                raise ValueError(f"{prefix!r} (for {address}) is not a repository prefix such "
+                                 "as ngc or mirrors/ngc (lower-case, / between parts)")
+        return value
 
     @field_validator("blob_cache")
     @classmethod

@@ -32,6 +32,7 @@ from imgpipe.commands.node.importer import (  # noqa: E402 (after the isolation 
     is_foreign,
     record_step,
     release,
+    through_mirrors,
 )
 
 USAGE = ("usage: imgpipe-pyxis-importer get URI | release | stage URI | take URI "
@@ -51,12 +52,13 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if len(args) == 2 and args[0] == "get":
-            if is_foreign(args[1]):  # another registry's image: as Pyxis alone would
+            uri = through_mirrors(args[1])
+            if is_foreign(uri):  # another registry's image: as Pyxis alone would
                 from imgpipe.commands.node.foreign import enroot_get
 
-                path = enroot_get(args[1])
+                path = enroot_get(uri)
             else:
-                path = fast_get(args[1]) or get(args[1])
+                path = fast_get(uri) or get(uri)
                 record_step(path)
             print(path, flush=True)
             return 0

@@ -123,3 +123,18 @@ def _bad(text: str, why: str, column: int) -> ReferenceFormatError:
         f"invalid image reference {text!r} at column {column + 1}: {why}",
         hint=f"accepted forms: {FORMS}",
     )
+
+
+DOCKER_HUB_NAMES = ("docker.io", "index.docker.io", "registry-1.docker.io")
+
+
+def through_mirror(ref: Reference, mirrors: dict[str, str], site: str) -> Reference | None:
+    """``ref`` as the site registry ``site`` holds it where ``ref``'s registry is mirrored
+    there (``registry.mirrors``: address -> repository prefix, "" for the same names), else
+    None.  Docker Hub answers to any of its names."""
+    registry = "docker.io" if ref.registry in DOCKER_HUB_NAMES else ref.registry
+    prefix = mirrors.get(registry, mirrors.get(ref.registry))
+    if prefix is None or ref.registry == site:
+        return None
+    repository = f"{prefix}/{ref.repository}" if prefix else ref.repository
+    return Reference(site, repository, ref.tag, ref.digest)

@@ -14,7 +14,7 @@ from imgpipe.commands.shared.wiring import registry_client
 from imgpipe.registry.auth import credentials_from_docker_config, credentials_from_netrc
 from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.mirror import Side, copy_image
-from imgpipe.registry.reference import Reference
+from imgpipe.registry.reference import Reference, through_mirror
 
 DOCKER_HUB = "docker.io"
 DOCKER_HUB_API = "registry-1.docker.io"  # where docker.io's registry API answers
@@ -38,7 +38,8 @@ def mirror_image(settings: Settings, source: str, dest: str | None, progress: Pr
     """Copy ``source`` into the configured registry as ``dest`` (default: its own
     repository and tag, or digest), by digest; resumable, checked on every byte."""
     src = Reference.parse(source, default_registry=DOCKER_HUB)
-    target = Reference.parse(dest or _same_name(src), default_registry=settings.registry.address)
+    target = Reference.parse(dest or _same_name(src, settings),
+                             default_registry=settings.registry.address)
     if target.registry != settings.registry.address:
         raise ConfigError(f"DEST must be in the configured registry {settings.registry.address}",
                           hint="give DEST as repository:tag")
@@ -63,8 +64,13 @@ def mirror_image(settings: Settings, source: str, dest: str | None, progress: Pr
                     copied.bytes_copied)
 
 
-def _same_name(src: Reference) -> str:
-    return f"{src.repository}:{src.tag}" if src.tag else f"{src.repository}@{src.digest}"
+def _same_name(src: Reference, settings: Settings) -> str:
+    """DEST by default: where ``registry.mirrors`` has jobs and builds look for ``src``
+    (the same repository and tag where it does not map ``src``'s registry)."""
+    site = settings.registry.address
+    mapped = through_mirror(src, settings.registry.mirrors, site) or Reference(
+        site, src.repository, src.tag, src.digest)
+    return mapped.canonical
 
 
 def source_client(settings: Settings, address: str) -> RegistryClient:

@@ -22,7 +22,7 @@ from imgpipe.base import process
 from imgpipe.base.errors import ImgpipeError
 from imgpipe.commands.node.importer import IMPORTED, _quick, import_folder, write_record
 
-__all__ = ["enroot_get"]
+__all__ = ["enroot_get", "mirror_hint"]
 
 IMPORT_TIMEOUT_S = 6 * 3600
 
@@ -47,7 +47,27 @@ def enroot_get(uri: str) -> Path:
             out.unlink()
     except FileNotFoundError:
         pass
-    process.run([enroot, "import", "--output", str(out), uri], timeout=IMPORT_TIMEOUT_S,
-                what=f"enroot import {uri}")
+    try:
+        process.run([enroot, "import", "--output", str(out), uri], timeout=IMPORT_TIMEOUT_S,
+                    what=f"enroot import {uri}")
+    except ImgpipeError as exc:  # most often a node that reaches no public registry
+        raise ImgpipeError(exc.message, hint=mirror_hint(uri)) from None
     write_record([IMPORTED, str(out)])
     return out
+
+
+def mirror_hint(uri: str) -> str:
+    """What makes ``uri`` run on nodes that reach no registry but the site's."""
+    from imgpipe.commands.node.importer import DOCKER_HUB
+    from imgpipe.registry.errors import ReferenceFormatError
+    from imgpipe.registry.reference import DOCKER_HUB_NAMES, Reference
+
+    try:
+        ref = Reference.parse(uri, default_registry=DOCKER_HUB)
+    except ReferenceFormatError:
+        return "check the image reference"
+    registry = "docker.io" if ref.registry in DOCKER_HUB_NAMES else ref.registry
+    return (f"where nodes reach no registry but the site's, an admin copies it there "
+            f"(imgpipe mirror {registry}/{ref.repository}{':' + ref.tag if ref.tag else ''}"
+            f"{'@' + ref.digest if ref.digest else ''}) and maps {registry} in the site "
+            f"config (registry.mirrors: {{{registry}: \"\"}})")

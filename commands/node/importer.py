@@ -180,7 +180,12 @@ def quick_settings(path: str | None) -> dict[str, Any] | None:
     owner = enroot.get("cache_owner")
     if owner is not None and not isinstance(owner, str):
         return None
+    mirrors = registry.get("mirrors") or {}
+    if not isinstance(mirrors, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in mirrors.items()):
+        return None
     return {
+        "mirrors": mirrors,
         "cache_owner": owner,
         "address": f"{registry.get('host', DEFAULT_HOST)}:{registry.get('port', DEFAULT_PORT)}",
         "scheme": registry.get("scheme", DEFAULT_SCHEME),
@@ -257,6 +262,42 @@ def _platform_entry(scheme: str, address: str, repository: str, digest: str) -> 
     except (OSError, http.client.HTTPException, ValueError, AttributeError):
         return None
     return None
+
+
+def through_mirrors(uri: str) -> str:
+    """``uri`` as the site registry holds it where the site mirrors its registry
+    (``registry.mirrors``: a job's ``nvcr.io#nvidia/pytorch:TAG`` runs from the site
+    registry's copy, ``imgpipe mirror``), else ``uri`` as it is."""
+    from imgpipe.registry.errors import ReferenceFormatError
+    from imgpipe.registry.reference import Reference, through_mirror
+
+    quick = _quick()
+    if quick is None:  # the full loader decides (and says what is wrong with the file)
+        from pathlib import Path
+
+        from imgpipe.base.config import Settings
+        from imgpipe.base.configlayers import parse_settings
+        from imgpipe.base.errors import ImgpipeError
+
+        path = config_file()
+        try:
+            settings = parse_settings(Path(path)) if path else Settings()
+        except (ImgpipeError, OSError):
+            return uri
+        mirrors, address = settings.registry.mirrors, settings.registry.address
+    else:
+        mirrors, address = quick["mirrors"], str(quick["address"])
+    if not mirrors or ("://" in uri and not uri.startswith("docker://")):
+        return uri
+    try:
+        ref = Reference.parse(uri, default_registry=DOCKER_HUB)
+    except ReferenceFormatError:
+        return uri
+    site = through_mirror(ref, mirrors, address)
+    if site is None:
+        return uri
+    say(f"{uri}: the site registry's mirror, {site.canonical}")
+    return site.enroot
 
 
 def is_foreign(uri: str) -> bool:

@@ -304,3 +304,52 @@ def test_the_converters_file_is_enroots_tree_and_both_start_with_enroot(
              f"echo {name}: $(cat /hello.txt)"], user=ALICE, timeout=300, cwd="/tmp")
         assert started.returncode == 0, started.stderr
         assert f"{name}: hello from CI" in started.stdout, started.stdout
+
+
+def test_an_air_gapped_node_runs_an_nvcr_reference_from_the_site_mirror(
+        pyxis_cluster, hello: dict, registry_server, tmp_path: Path) -> None:
+    """The sandbox's hosts route nothing but their own range: no nvcr.io.  A stand-in for
+    nvcr.io (a second registry only the head reaches) holds the image; the admin copies it
+    into the site registry (`imgpipe mirror`) and maps nvcr.io there (registry.mirrors).  A
+    user's `--container-image=nvcr.io#nvidia/pytorch:TAG` then runs from the mirror, and the
+    same job without the mapping fails in one line that names the mirror command."""
+    from imgpipe.registry.client import RegistryClient
+    from imgpipe.registry.mirror import Side, copy_image
+    from tests import services
+
+    standin = services.start_registry(tmp_path / "nvcr")
+    try:
+        copy_image(Side(RegistryClient(registry_server.url), REPOSITORY), hello["digest"],
+                   Side(RegistryClient(standin.url), "nvidia/pytorch"), "24.05-py3",
+                   tmp_path)
+        (tmp_path / "head").mkdir()
+        (tmp_path / "head" / "imgpipe.yaml").write_text(
+            yaml.safe_dump({"registry": {"port": registry_server.port}}))
+        mirrored = subprocess.run(
+            [str(REPO / ".venv/bin/imgpipe"), "mirror",
+             f"{standin.address}/nvidia/pytorch:24.05-py3", "nvidia/pytorch:24.05-py3"],
+            cwd=tmp_path / "head", capture_output=True, text=True, timeout=300)
+        assert mirrored.returncode == 0, mirrored.stderr
+    finally:
+        standin.stop()
+    image = "nvcr.io#nvidia/pytorch:24.05-py3"
+    squashfs, config = node_cache("imgpipe-pyxis-mirror-")
+    plain = config.read_text()
+    settings = yaml.safe_load(plain)
+    settings["registry"]["mirrors"] = {"nvcr.io": ""}
+    config.write_text(yaml.safe_dump(settings))
+    done = _srun(pyxis_cluster, ALICE, config, image, SHOW, "-N1", "-w", "node2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "node2 imgpipe-alice hello from CI" in done.stdout, done.stdout + done.stderr
+    assert f"pyxis: imported docker image: {image}" in done.stderr, done.stderr
+    [entry] = squashfs.glob(f"nvidia+pytorch+{hello['digest'].replace(':', '-')}*.sqsh")
+    assert entry.stat().st_uid == pwd.getpwnam(ALICE).pw_uid
+    # without the mapping: Enroot's own import, which cannot reach nvcr.io from a node
+    config.write_text(plain)
+    failed = _srun(pyxis_cluster, ALICE, config, image, "true", "-N1", "-w", "node2",
+                   timeout=300)
+    assert failed.returncode != 0
+    said = [line for line in failed.stderr.splitlines() if "imgpipe: error:" in line]
+    assert len(said) == 1, failed.stderr
+    assert "imgpipe mirror nvcr.io/nvidia/pytorch:24.05-py3" in said[0], said[0]
+    assert "Traceback" not in failed.stderr

@@ -127,3 +127,33 @@ def test_under_pyxis_the_squashfs_cache_is_not_touched(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert list(tmp.iterdir()) == []
     assert _importer(tmp_path, "release").returncode == 0
+
+
+def test_a_mirrored_registrys_image_comes_from_the_site_registry(tmp_path: Path) -> None:
+    """registry.mirrors maps nvcr.io onto the site registry: the job's nvcr.io reference is
+    the site's image (Enroot is not asked), by the same tag or digest."""
+    for config_text, site in (  # the same names: tests/e2e/test_pyxis.py, on a sandbox
+            ("registry: {host: head, port: 5000, mirrors: {nvcr.io: ngc}}\n",
+             "head:5000/ngc/nvidia/pytorch:25.01-py3"),):
+        (tmp_path / "rec").unlink(missing_ok=True)
+        done = _importer(tmp_path, "get", "docker://nvcr.io#nvidia/pytorch:25.01-py3",
+                         config_text=config_text)
+        assert not (tmp_path / "rec").exists()  # enroot was not run
+        assert f"the site registry's mirror, {site}" in done.stderr, done.stderr
+        # nothing listens on head:5000 here: the site registry's own one-line error
+        assert done.returncode == 1 and "Traceback" not in done.stderr
+        assert done.stderr.strip().splitlines()[-1].startswith("imgpipe: error:")
+
+
+def test_an_unmirrored_image_that_enroot_cannot_fetch_names_the_mirror_command(
+        tmp_path: Path) -> None:
+    _importer(tmp_path, "get", "docker://ubuntu:22.04")  # the stand-in, in place
+    (tmp_path / "bin" / "enroot").write_text(
+        '#!/bin/sh\necho "[ERROR] URL https://nvcr.io/v2/ returned error code: 6 '
+        'Could not resolve host: nvcr.io" >&2\nexit 1\n')
+    done = _importer(tmp_path, "get", "docker://nvcr.io#nvidia/pytorch:25.01-py3")
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert "Could not resolve host: nvcr.io" in line, line
+    assert "imgpipe mirror nvcr.io/nvidia/pytorch:25.01-py3" in line, line
+    assert 'registry.mirrors: {nvcr.io: ""}' in line, line
