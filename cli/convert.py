@@ -131,6 +131,16 @@ convert_command.name = "convert"
               "(use_squashfuse=1).  Without it each is printed commented out, marked.")
 @click.option("--rollback", is_flag=True, help="As root: put back the files the last --apply "
               "replaced, and remove the ones it made (then restart slurmd).")
+@click.option("--upgrade", is_flag=True, help="As root, with --venv NEW: point the importer "
+              "link at a new imgpipe installed beside the one in use, in one rename (running "
+              "steps finish on the old one, the next runs the new one); refused in one line, "
+              "nothing changed, when a job user could not run it or its cache layout differs "
+              "from the node's cache.  Recorded: --rollback puts the old link back.")
+@click.option("--remove", is_flag=True, help="As root: take back what imgpipe put on the node "
+              "(its Pyxis line or importer= option, the importer link, /etc/imgpipe/"
+              "imgpipe.yaml, its sudoers files, imgpipe-*.service units, its logrotate file, "
+              "the node-local cache but what running jobs use), each file kept for "
+              "--rollback; says what it leaves.")
 @click.option("--shared-plugstack", is_flag=True, help="With --apply: the plugstack is on storage "
               "every node reads (NFS, Lustre), and imgpipe is on every node already: change "
               "it for all at once.")
@@ -151,7 +161,8 @@ def node_config(ctx: click.Context, pyxis_version: tuple[int, int, int] | None,
                 pyxis_plugin: str | None,
                 enroot_path: str | None, importer: str | None, no_squashfuse: bool,
                 make_cache: str | None, group: str | None, check: bool, apply: bool,
-                accept: tuple[str, ...], rollback: bool, shared_plugstack: bool,
+                accept: tuple[str, ...], rollback: bool, upgrade: bool, remove: bool,
+                shared_plugstack: bool,
                 plugstack: str | None,
                 node_venv: Path | None, site_config: Path | None, node_root: Path) -> Result:
     """Print what compute nodes need for imgpipe, and check or set up a node.
@@ -172,10 +183,23 @@ def node_config(ctx: click.Context, pyxis_version: tuple[int, int, int] | None,
       imgpipe node-config --apply                     # as root: imgpipe's own files only
       imgpipe node-config --apply --accept importer   # and importer= on the site's line
       imgpipe node-config --rollback                  # as root: the last --apply undone
+      imgpipe node-config --upgrade --venv /opt/imgpipe-2   # a new imgpipe while jobs run
+      imgpipe node-config --remove                    # as root: imgpipe taken off the node
       imgpipe node-config --make-cache /lustre/imgpipe/squashfs
     """
+    chosen = [name for name, on in (("--check", check), ("--apply", apply),
+                                    ("--rollback", rollback), ("--upgrade", upgrade),
+                                    ("--remove", remove)) if on]
+    if len(chosen) > 1:
+        raise click.UsageError(f"{' and '.join(chosen)}: one at a time")
     if make_cache is not None:
         return _make_cache(ctx, make_cache, group)
+    if upgrade or remove:
+        from imgpipe.commands.site.nodecheck import NodePlan
+
+        return _upgrade_or_remove(ctx, upgrade, NodePlan(node_root, site_config, plugstack,
+                                                         node_venv, frozenset(accept),
+                                                         shared_plugstack))
     if rollback:
         from imgpipe.commands.site.nodebackup import rollback as roll_back
 
@@ -200,6 +224,27 @@ def node_config(ctx: click.Context, pyxis_version: tuple[int, int, int] | None,
                    "pyxis_version": rendered.pyxis_version,
                    "notes": rendered.notes,
                    "importer": rendered.importer_path}, text.rstrip("\n").splitlines())
+
+
+def _upgrade_or_remove(ctx: click.Context, upgrade: bool, plan: NodePlan) -> Result:
+    from imgpipe.base.configlayers import SITE_CONFIG
+    from imgpipe.commands.site.config import parse_settings
+
+    settings = settings_of(ctx)  # the node's own site config where it has one (--root)
+    own = plan.site_config or plan.root / str(SITE_CONFIG).lstrip("/")
+    if plan.root != Path("/") and own.is_file():
+        settings = parse_settings(own)
+    if upgrade:
+        from imgpipe.commands.site.nodeupgrade import upgrade_node
+
+        done = upgrade_node(settings, plan)
+        return Result({"upgraded": done}, done)
+    from imgpipe.commands.site.noderemove import remove_node
+
+    removal = remove_node(settings, plan)
+    return Result({"removed": removal.done, "kept": removal.kept},
+                  (removal.done or ["nothing of imgpipe's to remove"])
+                  + [f"kept {line}" for line in removal.kept])
 
 
 def _check_or_apply(ctx: click.Context, apply: bool, plan: NodePlan) -> Result:

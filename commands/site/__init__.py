@@ -3,6 +3,9 @@
 
 Imports go down:
 
+    noderemove      ``imgpipe node-config --remove``: what imgpipe put on a node, taken back
+    nodeupgrade     ``imgpipe node-config --upgrade``: a new imgpipe while jobs run
+
     site            ``imgpipe site init``: the site's config and its own cluster profile
     nodecheck       ``imgpipe node-config --check | --apply``: a node that already runs
                     Pyxis and Enroot, against what imgpipe needs

@@ -46,9 +46,10 @@ from imgpipe.enroot.nodeconfig import (
     slurm_conf_value,
 )
 
-__all__ = ["Finding", "NodeCheck", "NodePlan", "apply_node", "check_node"]
+__all__ = ["PYXIS_MARKER", "Finding", "NodeCheck", "NodePlan", "apply_node", "check_node"]
 
 IMPORTER_NAME = "imgpipe-pyxis-importer"
+PYXIS_MARKER = "# added by imgpipe node-config --apply --accept pyxis"  # --remove finds it
 
 
 @dataclass(frozen=True)
@@ -297,7 +298,8 @@ def _plugstack(plan: NodePlan, pyxis: tuple[str, Version] | None, plugstack: str
           if o.split("=", 1)[-1].lower() in ("1", "true", "yes", "y")}
     mounted = "use_squashfuse" in on and pyxis[1] >= SQUASHFUSE_IMPORTER_SINCE
     code, hash_mark, comment = line.partition("#")  # Slurm drops what follows a '#'
-    changed = f"{code.rstrip()} {wanted}" + (f" {hash_mark}{comment}" if hash_mark else "")
+    kept = code[len(code.rstrip()):] or (" " if hash_mark else "")  # the spacing as it was
+    changed = f"{code.rstrip()} {wanted}{kept}{hash_mark}{comment}"
     return Finding(shown, "differs", False, [f"- {line}", f"+ {changed}"],
                    IMPORTER_AFFECTS + ("; and since this line has use_squashfuse=1, Pyxis "
                                        "then mounts what the importer returns read-only, "
@@ -432,7 +434,7 @@ def apply_node(settings: Settings, plan: NodePlan = NodePlan()) -> list[str]:
             done += backup.keep(target)
             old = target.read_text() if target.is_file() else ""
             text = (old + ("\n" if old and not old.endswith("\n") else "")
-                    + "# added by imgpipe node-config --apply --accept pyxis\n"
+                    + PYXIS_MARKER + "\n"
                     + finding.diff[0][2:] + "\n")
             done.append(f"wrote {_rewrite(target, text)}")
             done += [said.strip() for said in finding.diff[1:]]  # accepted, left out

@@ -232,7 +232,7 @@ def test_a_relative_include_a_trailing_comment_and_the_plugin_path_of_the_line(
     assert code == 0, err
     written = (root / "etc/slurm/plugstack.conf.d/pyxis.conf").read_text().splitlines()[-1]
     assert written == ("required /opt/slurm/lib/spank_pyxis.so runtime_path=/run/pyxis "
-                       "importer=/usr/local/bin/imgpipe-pyxis-importer # ours")
+                       "importer=/usr/local/bin/imgpipe-pyxis-importer  # ours")  # spacing kept
     code, out, _ = cli("node-config", "--check", "--root", str(root))
     assert "/etc/slurm/plugstack.conf.d/pyxis.conf (the site's): ok" in out
 
