@@ -17,6 +17,8 @@ Imports go down:
     profiles        ``imgpipe recipes profile new|check|list``: a site's own profile
     nodebackup      what ``node-config --apply`` keeps of each file it writes, and
                     ``--rollback`` puts back
+    noderunnable    whether a job user can run a node's importer: its way, its interpreter,
+                    the Python its venv runs (RHEL 9's python3 is 3.9)
 
     nccl            ``imgpipe nccl check``: a log judged against a profile (and the site's
                     profile found by name)

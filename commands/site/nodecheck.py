@@ -19,7 +19,6 @@ import filecmp
 import fnmatch
 import glob
 import os
-import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +29,7 @@ from imgpipe.base.errors import ConfigError
 from imgpipe.base.files import atomic_write
 from imgpipe.base.mounts import filesystem_type, is_shared_type
 from imgpipe.commands.site.nodebackup import Backup, walk_folder
+from imgpipe.commands.site.noderunnable import python_problem, runnable_by_others
 from imgpipe.enroot.nodeconfig import (
     CLEANUP_PATH,
     IMPORTER_AFFECTS,
@@ -189,67 +189,11 @@ def _ca_file(settings: Settings, root: Path) -> list[Finding]:
                                         " put the registry's CA there (the node image)"])]
 
 
-def _unsafe(root: Path, path: Path, info: os.stat_result) -> str | None:
-    """Why a file or folder on the importer's way is not root's alone: every user's
-    --container-image step runs what lies there."""
-    if info.st_uid != 0:
-        return f"{_shown(root, path)} belongs to uid {info.st_uid}, not root"
-    sticky_dir = stat.S_ISDIR(info.st_mode) and info.st_mode & stat.S_ISVTX
-    if info.st_mode & 0o022 and not stat.S_ISLNK(info.st_mode) and not sticky_dir:
-        return f"{_shown(root, path)} is writable by others (mode {info.st_mode & 0o777:o})"
-    return None
-
-
-def runnable_by_others(root: Path, path: Path) -> str | None:
-    """Why a job user (not root, not the owner) could not, or should not, execute ``path``
-    inside ``root``, following its links and its script's interpreter: every folder and file
-    on the way must let others run it and be root's alone (Pyxis runs it in every user's
-    container step); None when it is so."""
-    seen = 0
-    current = path
-    while True:
-        seen += 1
-        if seen > 16:
-            return f"{path}: too many links"
-        host = _under(root, str(current))
-        for folder in [*reversed(host.parents)]:
-            if folder == root or root not in (folder, *folder.parents):
-                continue
-            try:
-                info = folder.lstat()
-            except FileNotFoundError:
-                return f"{_shown(root, folder)} does not exist"
-            if stat.S_ISDIR(info.st_mode) and not info.st_mode & 0o001:
-                return f"{_shown(root, folder)} is closed to other users " \
-                       f"(mode {info.st_mode & 0o777:o})"
-            if os.geteuid() == 0 and (why := _unsafe(root, folder, info)):
-                return why
-        try:
-            info = host.lstat()
-        except FileNotFoundError:
-            return f"{current} does not exist"
-        if stat.S_ISLNK(info.st_mode):
-            current = (current.parent / os.readlink(host))
-            current = Path(os.path.normpath(current))
-            continue
-        if not info.st_mode & 0o001:
-            return f"{current} is not executable by other users (mode {info.st_mode & 0o777:o})"
-        if os.geteuid() == 0 and (why := _unsafe(root, host, info)):
-            return why
-        with open(host, "rb") as handle:
-            head = handle.read(256)
-        if head.startswith(b"#!"):
-            interpreter = head[2:].split(b"\n", 1)[0].split()
-            if interpreter and interpreter[0] != str(current).encode():
-                current = Path(interpreter[0].decode(errors="replace"))
-                continue
-        return None
-
-
 def _importer_link(plan: NodePlan) -> Finding:
     link = _under(plan.root, importer_path())
-    target = importer_target(plan)
-    why = runnable_by_others(plan.root, target)
+    target, venv = importer_target(plan), importer_target(plan).parent.parent
+    why = runnable_by_others(plan.root, target) or python_problem(_under(plan.root, str(venv)),
+                                                                  str(venv))
     if why is not None:
         return Finding(importer_path(), "conflict", True,
                        [f"  -> {target}, which a job user cannot run: {why}",

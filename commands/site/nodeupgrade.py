@@ -27,7 +27,8 @@ from imgpipe.base import process
 from imgpipe.base.config import Settings
 from imgpipe.base.errors import ConfigError, ImgpipeError
 from imgpipe.commands.site.nodebackup import Backup, walk_folder
-from imgpipe.commands.site.nodecheck import NodePlan, importer_target, runnable_by_others
+from imgpipe.commands.site.nodecheck import NodePlan, importer_target
+from imgpipe.commands.site.noderunnable import python_problem, runnable_by_others
 from imgpipe.enroot.nodeconfig import importer_path
 
 __all__ = ["upgrade_node", "processes_running_from"]
@@ -52,7 +53,8 @@ def upgrade_node(settings: Settings, plan: NodePlan) -> list[str]:
     if os.geteuid() != 0 and root == Path("/"):
         raise ConfigError("node-config --upgrade writes /usr/local/bin: run it as root")
     target = importer_target(plan)
-    why = runnable_by_others(root, target)
+    why = runnable_by_others(root, target) or python_problem(_under(root, plan.venv),
+                                                             str(plan.venv))
     if why is not None:
         raise ConfigError(f"refused: a job user could not run {target}: {why}",
                           hint="install the new imgpipe where every user can run it (root's "

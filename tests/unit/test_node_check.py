@@ -321,3 +321,22 @@ def test_a_plugstack_every_node_mounts_is_changed_only_when_said(cli, tmp_path: 
                        "--shared-plugstack")
     assert code == 0, err
     assert "importer=" in (root / "etc/slurm/plugstack.conf.d/pyxis.conf").read_text()
+
+
+def test_a_venv_of_rhel_9s_python_is_named_with_what_fixes_it(cli, tmp_path: Path) -> None:
+    """RHEL 9's python3 is 3.9: a venv made from it cannot run imgpipe (3.11+), and the check
+    says so, with the packages that fix it, instead of a traceback in every job."""
+    root = tmp_path / "node"
+    _node(root)
+    cfg = root / "opt/imgpipe/pyvenv.cfg"
+    cfg.write_text("home = /usr/bin\nversion = 3.9.18\n")
+    code, out, err = cli("node-config", "--check", "--root", str(root))
+    assert code == 0, err
+    line = next(x for x in out.splitlines() if "runs Python 3.9" in x)
+    assert "imgpipe needs 3.11 or newer" in line and "dnf install python3.11" in line, line
+    assert "python3.11 -m venv /opt/imgpipe" in line, line
+    code, _, err = cli("node-config", "--apply", "--accept", "importer", "--root", str(root))
+    assert code != 0 and "runs Python 3.9" in err and "Traceback" not in err, err
+    cfg.write_text("home = /usr/bin\nversion = 3.11.2\n")
+    code, out, _ = cli("node-config", "--check", "--root", str(root))
+    assert "runs Python" not in out
