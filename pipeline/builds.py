@@ -221,10 +221,33 @@ def make_plan(settings: Settings, images: list[Image], flavor: str, lock: LockFi
               overrides: dict[str, str], base_override: str | None, wheels_dir: Path | None,
               resolver: BaseResolver, force: bool,
               platforms: tuple[Platform, ...] = ()) -> list[PlanItem]:
-    return [plan_image(image, flavor, lock, overrides=overrides, base_override=base_override,
+    return [plan_image(image, flavor, lock, overrides=overrides,
+                       base_override=base_override or mirrored_base(settings, image, flavor,
+                                                                    resolver),
                        wheels_dir=wheels_dir, resolve_base=resolver, force=force,
                        platforms=platforms)
             for image in images]
+
+
+def mirrored_base(settings: Settings, image: Image, flavor: str,
+                  resolve: Callable[[str], str | None]) -> str | None:
+    """The site registry's copy of the flavor's base where ``registry.mirrors`` maps its
+    registry there and the base itself is neither in the engine nor reachable (a build host
+    without nvcr.io), else None: a base the engine holds is built from as it is."""
+    from imgpipe.registry.errors import ReferenceFormatError
+    from imgpipe.registry.reference import Reference, through_mirror
+
+    if not settings.registry.mirrors or flavor not in (image.spec.flavors or {}):
+        return None
+    base = image.flavor(flavor).base
+    try:
+        mapped = through_mirror(Reference.parse(base, default_registry="docker.io"),
+                                settings.registry.mirrors, settings.registry.address)
+    except ReferenceFormatError:
+        return None
+    if mapped is None or resolve(base) is not None:
+        return None
+    return str(mapped.canonical)
 
 
 @dataclass(frozen=True)

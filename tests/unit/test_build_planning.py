@@ -248,3 +248,31 @@ def test_the_wheels_are_an_input_by_content(tmp_path: Path) -> None:
     lock = pushed(plan(folder, LockFile(), wheels_dir=wheels))
     wheel.write_bytes(b"b" * 100)  # same name, same size: rebuilt
     assert plan(folder, lock, wheels_dir=wheels).reason == "changed: wheels"
+
+
+def test_a_base_the_site_mirrors_is_built_from_the_mirror_where_its_registry_is_unreachable(
+        tmp_path: Path) -> None:
+    """registry.mirrors maps nvcr.io onto the site registry: an NGC flavor's base that the
+    engine lacks and nvcr.io does not answer for is built from the site registry's copy (an
+    air-gapped build host, CI included); a base the engine holds is built from as it is."""
+    from imgpipe.base.config import Settings
+    from imgpipe.pipeline.builds import make_plan
+
+    make_image(tmp_path / "images", flavors={"ngc": {"base": "nvcr.io/nvidia/pytorch:24.05-py3"}})
+    settings = Settings(root=tmp_path, registry={"host": "head", "port": 5000,
+                                                 "mirrors": {"nvcr.io": ""}})
+    image = load_image(tmp_path / "images" / "bert")
+    mirror = "head:5000/nvidia/pytorch:24.05-py3"
+    found = {mirror: "sha256:" + "b" * 64}
+    [item] = make_plan(settings, [image], "ngc", LockFile(), overrides={}, base_override=None,
+                       wheels_dir=None, resolver=found.get, force=False)  # type: ignore[arg-type]
+    assert item.build_args["BASE_IMAGE"] == mirror and item.base_digest == found[mirror]
+    found["nvcr.io/nvidia/pytorch:24.05-py3"] = "image-id:sha256:" + "c" * 64  # the engine's
+    [item] = make_plan(settings, [image], "ngc", LockFile(), overrides={}, base_override=None,
+                       wheels_dir=None, resolver=found.get, force=False)  # type: ignore[arg-type]
+    assert item.build_args["BASE_IMAGE"] == "nvcr.io/nvidia/pytorch:24.05-py3"
+    plain = Settings(root=tmp_path, registry={"host": "head", "port": 5000})
+    del found["nvcr.io/nvidia/pytorch:24.05-py3"]
+    [item] = make_plan(plain, [image], "ngc", LockFile(), overrides={}, base_override=None,
+                       wheels_dir=None, resolver=found.get, force=False)  # type: ignore[arg-type]
+    assert item.build_args["BASE_IMAGE"] == "nvcr.io/nvidia/pytorch:24.05-py3"
