@@ -74,6 +74,7 @@ PACKAGES=(
                                      # Slurm's pmix plugin loads libpmix.so, the -dev link)
   shellcheck curl util-linux
   sudo                               # the cache writer's one sudoers line (tests/e2e/test_tenants.py)
+  logrotate                          # the audit log's rotation (tests/e2e/test_audit.py)
   chromium                           # headless: the report page's test
   g++ python3-dev                    # torch.compile's CPU backend (the trainer's compile test)
   "${PEERS_PACKAGES[@]}"

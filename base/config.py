@@ -24,9 +24,10 @@ from pydantic import (
     model_validator,
 )
 
-# What docs/threat-model.md trusts: who the cache's service account is, and the command job
-# users run as it.  A job user's file naming them would make that user's choice everyone's.
-TRUSTED_KEYS = ("enroot.cache_owner", "enroot.cache_writer")
+# What docs/threat-model.md trusts: who the cache's service account is, the command job
+# users run as it, and the audit log with its recorder.  A job user's file naming them would
+# make that user's choice everyone's (or turn the site's audit off).
+TRUSTED_KEYS = ("enroot.cache_owner", "enroot.cache_writer", "audit.log", "audit.recorder")
 
 
 RENAMED_ENROOT_KEYS = {"prebuilt": "published", "prebuilt_unpinned": "published_unpinned"}
@@ -426,6 +427,25 @@ class RecipesConfig(_Strict):
                                   "(#SBATCH --time)")
 
 
+class AuditConfig(_Strict):
+    """The audit log of the node side: who imported what (docs/admin.md, "Audit log")."""
+
+    log: str | None = Field(default=None, description="a JSON-lines file, root's and 0600, "
+                            "that gets one line per import and cache-writer conversion (who, "
+                            "what, when, from which registry, as which digest), appended by "
+                            "the recorder through sudo; unset: no audit")
+    recorder: str = Field(default="/opt/imgpipe/bin/imgpipe-audit", description="the "
+                          "imgpipe-audit program job users run as root through sudo, as the "
+                          "sudoers line names it")
+
+    @field_validator("log", "recorder")
+    @classmethod
+    def _path(cls, value: str | None) -> str | None:  # what sudoers and logrotate read as one
+        if value is not None and not re.fullmatch(r"(/[A-Za-z0-9_+-][A-Za-z0-9._+-]*)+", value):
+            raise ValueError("must be an absolute path of letters, digits and . _ + -")
+        return value
+
+
 class Settings(_Strict):
     """Everything imgpipe.yaml can say; passed explicitly, never a global."""
 
@@ -437,6 +457,7 @@ class Settings(_Strict):
     build: BuildConfig = BuildConfig()
     enroot: EnrootConfig = EnrootConfig()
     recipes: RecipesConfig = RecipesConfig()
+    audit: AuditConfig = AuditConfig()
     default_flavor: Literal["ngc", "cpu"] = Field(
         default="cpu", description="the flavor built and rendered when none is named: cpu on "
         "one machine (no NGC pull), ngc on a GPU cluster (`imgpipe site init` sets it)")

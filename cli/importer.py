@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 path = enroot_get(uri)
             else:
-                path = fast_get(uri) or get(uri)
+                path = fast_get(uri, "get") or get(uri)
                 record_step(path)
             print(path, flush=True)
             return 0

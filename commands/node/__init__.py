@@ -16,5 +16,10 @@ Imports go down:
 
     cachewriter     conversions every user's jobs take, by the cache's service account
 
+    audit           each import as a line of the site's audit log: the recorder, through sudo
     cache           ``imgpipe cache ls|prune``: what the shared cache holds, kept bounded
+    headdigest      the fast path's registry questions: a tag's digest, an index's entry
+
+    auditlog        the recorder itself (``imgpipe-audit``, as root): the checked arguments,
+                    the one line, the log root alone reads
 """

@@ -91,7 +91,7 @@ def _fetch_and_tell(uri: str, fd: int) -> int:
                 os._exit(1)  # killed): no fetch or conversion goes on for nobody
 
         try:
-            entry = get(uri, verified=tell)
+            entry = get(uri, verified=tell, event="broadcast")
         except (ImgpipeError, OSError) as exc:
             print(f"imgpipe: error: {exc}", file=sys.stderr, flush=True)
             return 1

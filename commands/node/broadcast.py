@@ -42,6 +42,7 @@ from typing import Any
 
 from imgpipe.base.errors import ImgpipeError
 from imgpipe.base.units import human_bytes
+from imgpipe.commands.node.audit import record
 from imgpipe.commands.node.batchfetch import BatchFetch
 from imgpipe.commands.node.fanout import node_settings, pinned_reference
 from imgpipe.commands.node.importer import fast_get, get, say
@@ -119,7 +120,7 @@ def broadcast(uri: str) -> Path:
     settings = node_settings()
     ref = pinned_reference(uri, settings)
     manifest = ref.digest or ""
-    found = fast_get(uri)
+    found = fast_get(uri, "broadcast")
     # The step's first task runs on the batch host and sends (MPI's rank 0 under srun):
     # its fetch starts at once, while the other nodes' tasks still start.
     fetch = BatchFetch(uri, found) if os.environ.get("SLURM_PROCID") == "0" else None
@@ -147,7 +148,7 @@ def broadcast(uri: str) -> Path:
                 return found
             say(f"{here}: {why}: fetching it")
             held.close()
-            return get(uri)
+            return get(uri, event="broadcast")
         try:
             if root and fetch is not None:
                 if team.Get_size() == 1:  # every other node holds it
@@ -162,9 +163,10 @@ def broadcast(uri: str) -> Path:
         finally:
             team.Free()
     if isinstance(copy, Path):
+        record("broadcast", str(ref), manifest, copy, "received")
         return copy
     say(f"{here}: refused the broadcast copy: {copy}")
-    return get(uri)
+    return get(uri, event="broadcast")
 
 
 def _hold(held: contextlib.ExitStack, cache: Storage, manifest: str, pins: frozenset[str]

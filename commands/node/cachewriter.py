@@ -32,6 +32,7 @@ from imgpipe.base import process
 from imgpipe.base.config import Settings
 from imgpipe.base.errors import ImgpipeError
 from imgpipe.base.terminal import shown
+from imgpipe.commands.node.audit import record, result_of
 from imgpipe.commands.node.cache import prune_after_conversion
 from imgpipe.commands.shared.wiring import registry_client, squash_options, storage
 from imgpipe.enroot.cache.trust import user_name
@@ -78,6 +79,9 @@ def write_shared(settings: Settings, argument: str,
                                              enroot.range_connections))
     if done.converted and enroot.cache_max_size:  # the shared entries are the writer's
         prune_after_conversion(cache, enroot.cache_max_size, done.path, say)
+    # the service account's own line of the audit log (its config's, if it sets one)
+    record("write", str(ref), done.digest, done.path, result_of(done),
+           config=str(settings.source) if settings.source else None)
     return Written(done.path, done.converted, time.monotonic() - started)
 
 

@@ -32,6 +32,7 @@ from imgpipe.base.config import Settings
 from imgpipe.base.configlayers import parse_settings
 from imgpipe.base.errors import ImgpipeError
 from imgpipe.base.units import human_bytes
+from imgpipe.commands.node.audit import record
 from imgpipe.commands.node.importer import config_file, fast_get, get, say
 from imgpipe.commands.shared.wiring import storage
 from imgpipe.enroot.cache.storage import Storage, fetched_stem
@@ -86,7 +87,7 @@ def stage(uri: str) -> Staged:
     """Get ``uri`` on this (the batch) host and name the copy every node receives."""
     settings = node_settings()
     ref = pinned_reference(uri, settings)
-    path = fast_get(uri) or get(uri)
+    path = fast_get(uri, "get") or get(uri)
     cache = storage(settings)
     pinned = [pin for pin in Pins.from_env().for_image(ref.digest or "")
               if path.name.startswith(fetched_stem(ref.repository, pin) + ".")]
@@ -113,7 +114,7 @@ def take(uri: str, staged: Staged | None) -> Path:
         raise ImgpipeError(f"take: {staged.sha256!r} and {staged.manifest!r} must be sha256 "
                            "digests", hint="pass what `stage` printed")
     here = socket.gethostname()
-    found = fast_get(uri)
+    found = fast_get(uri, "take")
     if found is not None:
         if staged is not None:
             _discard(staged.dest)
@@ -121,15 +122,16 @@ def take(uri: str, staged: Staged | None) -> Path:
     if staged is None:
         say(f"{here}: fetching {ref.repository}@{(ref.digest or '')[:19]} (enroot."
              "distribution: fetch)")
-        return get(uri)
+        return get(uri, event="take")
     cache = storage(settings)
     cache.prepare()
     cache.sweep()  # copies of earlier jobs no node took
     why = _take_copy(cache, ref, staged, here, settings.enroot.default_compression)
     if isinstance(why, Path):
+        record("take", str(ref), staged.manifest, why, "taken")
         return why
     say(f"{here}: {why}; fetching it from the registry")
-    return get(uri)
+    return get(uri, event="take")
 
 
 def _target(cache: Storage, ref: Reference, staged: Staged, compression: str) -> Path:

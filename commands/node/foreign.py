@@ -53,7 +53,25 @@ def enroot_get(uri: str) -> Path:
     except ImgpipeError as exc:  # most often a node that reaches no public registry
         raise ImgpipeError(exc.message, hint=mirror_hint(uri)) from None
     write_record([IMPORTED, str(out)])
+    _audit(uri, out)
     return out
+
+
+def _audit(uri: str, out: Path) -> None:
+    """The import as a line of the site's audit log (``docker://`` references: a local
+    engine's image comes from no registry); its digest is Enroot's to know unless pinned."""
+    from imgpipe.commands.node.audit import record
+    from imgpipe.commands.node.importer import DOCKER_HUB
+    from imgpipe.registry.errors import ReferenceFormatError
+    from imgpipe.registry.reference import Reference
+
+    if "://" in uri and not uri.startswith("docker://"):
+        return
+    try:
+        ref = Reference.parse(uri, default_registry=DOCKER_HUB)
+    except ReferenceFormatError:
+        return
+    record("get", str(ref), ref.digest, out, "imported")
 
 
 def mirror_hint(uri: str) -> str:

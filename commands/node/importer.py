@@ -17,7 +17,9 @@ imgpipe's light modules only (no pydantic, no requests), no network for a digest
 one HEAD request for a tag.  Anything it does not recognise (credentials, TLS, an
 index, a digest not converted yet) goes the full way.
 
-Configuration comes from ``$IMGPIPE_CONFIG`` or ``/etc/imgpipe/imgpipe.yaml``.
+Configuration comes from ``$IMGPIPE_CONFIG`` or ``/etc/imgpipe/imgpipe.yaml``.  Where the
+site sets ``audit.log``, each answer is a line of its audit log (``imgpipe.commands.node.audit``);
+the fast path then starts the recorder too.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from imgpipe.registry.ranges import Verified
+    from imgpipe.registry.reference import Reference
 
 SITE_CONFIG = "/etc/imgpipe/imgpipe.yaml"
 # The defaults of imgpipe.base.config that the fast path reads (a test keeps them equal).
@@ -196,74 +199,6 @@ def quick_settings(path: str | None) -> dict[str, Any] | None:
     }
 
 
-def _connect(scheme: str, address: str) -> Any:
-    import http.client
-
-    host, _, port = address.rpartition(":")
-    kind = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
-    return kind(host, int(port), timeout=5)
-
-
-def _head_digest(scheme: str, address: str, repository: str, tag: str) -> str | None:
-    """The manifest digest a tag names, by one HEAD (an index: its entry for this node's
-    platform, by one GET more); None for anything odd."""
-    import http.client
-
-    from imgpipe.registry.mediatypes import INDEX_TYPES, MANIFEST_ACCEPT
-
-    try:
-        connection = _connect(scheme, address)
-        connection.request("HEAD", f"/v2/{repository}/manifests/{tag}",
-                           headers={"Accept": MANIFEST_ACCEPT})
-        response = connection.getresponse()
-        connection.close()
-    except (OSError, http.client.HTTPException, ValueError):
-        return None
-    media_type = (response.getheader("Content-Type") or "").split(";")[0].strip()
-    digest = str(response.getheader("Docker-Content-Digest") or "")
-    if response.status != 200 or not digest:
-        return None
-    if media_type in INDEX_TYPES:
-        return _platform_entry(scheme, address, repository, digest)
-    return digest
-
-
-def _platform_entry(scheme: str, address: str, repository: str, digest: str) -> str | None:
-    """This node's manifest in the index ``digest`` (IMGPIPE_PLATFORM, else uname -m), by
-    one GET whose bytes must hash to ``digest`` (so nothing is trusted that the digest does
-    not pin); ``digest`` itself when it names a plain manifest; None for anything odd."""
-    import hashlib
-    import http.client
-    import json
-
-    from imgpipe.base.platforms import node_platform
-    from imgpipe.registry.mediatypes import INDEX_TYPES, MANIFEST_ACCEPT
-
-    try:
-        connection = _connect(scheme, address)
-        connection.request("GET", f"/v2/{repository}/manifests/{digest}",
-                           headers={"Accept": MANIFEST_ACCEPT})
-        response = connection.getresponse()
-        body = response.read(4 << 20)
-        connection.close()
-        if response.status != 200 or f"sha256:{hashlib.sha256(body).hexdigest()}" != digest:
-            return None
-        served = json.loads(body)
-        if served.get("mediaType") not in INDEX_TYPES:
-            return digest
-        platform = node_platform()
-        for entry in served.get("manifests") or []:
-            wanted = entry.get("platform") or {}
-            child = entry.get("digest")
-            if (wanted.get("os"), wanted.get("architecture")) == (
-                    platform.os, platform.architecture) and isinstance(child, str) \
-                    and child.startswith("sha256:") and len(child) == 71:
-                return child
-    except (OSError, http.client.HTTPException, ValueError, AttributeError):
-        return None
-    return None
-
-
 def through_mirrors(uri: str) -> str:
     """``uri`` as the site registry holds it where the site mirrors its registry
     (``registry.mirrors``: a job's ``nvcr.io#nvidia/pytorch:TAG`` runs from the site
@@ -333,8 +268,22 @@ def is_foreign(uri: str) -> bool:
         return False  # not a reference at all: the full path says so in its one line
 
 
-def fast_get(uri: str) -> Path | None:
-    """The squashfs of an already converted image, or None to take the full path."""
+def fast_get(uri: str, event: str | None = None) -> Path | None:
+    """The squashfs of an already converted image, or None to take the full path; with
+    ``event``, a hit is a line of the site's audit log (``imgpipe.commands.node.audit``)."""
+    hit = _fast_find(uri)
+    if hit is None:
+        return None
+    if event is not None:
+        from imgpipe.commands.node.audit import record
+
+        record(event, str(hit[0]), hit[1], hit[2], "found")
+    return hit[2]
+
+
+def _fast_find(uri: str) -> tuple[Reference, str, Path] | None:
+    """``fast_get``'s hit: the reference, the manifest digest it is keyed by, and the file."""
+    from imgpipe.commands.node.headdigest import head_digest, platform_entry
     from imgpipe.enroot.cache.storage import Storage
     from imgpipe.enroot.cache.trust import CacheTrust
     from imgpipe.enroot.published.pins import Pins
@@ -355,8 +304,7 @@ def fast_get(uri: str) -> Path | None:
     if digest is None:
         if not online:
             return None
-        digest = _head_digest(quick["scheme"], quick["address"], ref.repository,
-                              ref.reference)
+        digest = head_digest(quick["scheme"], quick["address"], ref.repository, ref.reference)
         if digest is None:
             return None
     try:
@@ -371,9 +319,9 @@ def fast_get(uri: str) -> Path | None:
         found = find(digest)
         if found is None and ref.digest is not None and online:
             # a pinned index: this node's platform's manifest keys the cache
-            child = _platform_entry(quick["scheme"], quick["address"], ref.repository, digest)
-            found = find(child) if child and child != digest else None
-        return found
+            child = platform_entry(quick["scheme"], quick["address"], ref.repository, digest)
+            found, digest = (find(child), child) if child and child != digest else (None, "")
+        return (ref, digest, found) if found is not None else None
     except Exception:  # anything unexpected: the full path, with its errors, decides
         return None
 
@@ -384,9 +332,10 @@ def say(text: str) -> None:
     print(safe_line(f"imgpipe: {text}"), file=sys.stderr, flush=True)
 
 
-def get(uri: str, verified: Verified | None = None) -> Path:
-    """``uri``'s squashfs: found, fetched or converted.  ``verified`` hears each chunk of a
-    published squashfs's ranged fetch once checked (the job's broadcast sends it on)."""
+def get(uri: str, verified: Verified | None = None, event: str = "get") -> Path:
+    """``uri``'s squashfs: found, fetched or converted, and said as ``event`` to the site's
+    audit log.  ``verified`` hears each chunk of a published squashfs's ranged fetch once
+    checked (the job's broadcast sends it on)."""
     from pathlib import Path
 
     from imgpipe.base.config import Settings
@@ -424,6 +373,9 @@ def get(uri: str, verified: Verified | None = None) -> Path:
 
         prune_after_conversion(storage(settings), enroot.cache_max_size, conversion.path,
                                say)
+    from imgpipe.commands.node.audit import record, result_of
+
+    record(event, str(ref), conversion.digest, conversion.path, result_of(conversion))
     return conversion.path
 
 

@@ -39,7 +39,7 @@ def test_every_attack_test_quotes_a_line_of_the_threat_model() -> None:
 
     page = " ".join((ROOT / "docs" / "threat-model.md").read_text().split())
     quotes = []
-    for name in ("test_tenants_third.py", "test_blob_cache.py"):
+    for name in ("test_tenants_third.py", "test_blob_cache.py", "test_audit.py"):
         text = (ROOT / "tests" / "e2e" / name).read_text()
         quotes += re.findall(r'threat-model: "([^"]+)"', " ".join(text.split()))
     assert len(quotes) >= 8, quotes

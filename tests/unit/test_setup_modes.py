@@ -12,6 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_ONLY = ("slurm-wlm", "munge", "chromium", "qemu-user-static", "binfmt-support",
              "charliecloud-runtime", "docker-registry", "nginx-light", "debootstrap", "sudo",
+             "logrotate",
              "libslurm-dev", "libbsd-dev", "makeself")  # the last three build Enroot and Pyxis
 RECORDER = '#!/bin/sh\necho "$(basename "$0") $*" >> "$CALLS"\n'
 
