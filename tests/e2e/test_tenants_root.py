@@ -32,6 +32,7 @@ from tests.tenants import (
     REPO,
     SERVICE,
     as_user,
+    ensure_user,
     genuine,
     get,
     image,
@@ -378,3 +379,45 @@ def test_the_writer_turns_a_planted_folder_and_a_tight_umask_into_safe_results(
         assert Path(done.stdout.strip()).is_file() and not entry.exists()
     finally:
         config.write_text(original)
+
+
+def test_a_cache_root_cannot_write_is_made_and_kept_by_the_service_account(
+        site, registry_server) -> None:
+    """Lustre or NFS with root squash: root cannot write in the squashfs folder, the cache's
+    service account can.  The file system's admin gives the service account the folder; it
+    makes the layout itself (no root on the way), job users convert into it as ever, and it
+    prunes it: nothing needs root's rights there."""
+    service = ensure_user(SERVICE)
+    top = shared_folder("imgpipe-rootsquash-")
+    (top / "lustre").mkdir()
+    os.chown(top / "lustre", service, -1)  # what the file system's admin does, once
+    cache = top / "lustre" / "squashfs"
+    config = top / "imgpipe.yaml"
+    config.write_text(json.dumps({"registry": {"host": "head", "port": 5000},
+                                  "outputs": {"squashfs_dir": str(cache)},
+                                  "enroot": {"cache_owner": SERVICE}}))
+    config.chmod(0o644)
+    imgpipe = str(site["bin"] / "imgpipe")
+
+    def as_service(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["runuser", "-u", SERVICE, "--", imgpipe, "--config",
+                               str(config), *args], capture_output=True, text=True,
+                              timeout=120, cwd="/tmp")
+
+    made = as_service("node-config", "--make-cache")
+    assert made.returncode == 0, made.stderr
+    assert {p.stat().st_uid for p in (cache, cache / ".imgpipe", cache / ".imgpipe/VERSION")
+            } == {service}
+    digest = image(registry_server, "rootsquash")
+    done = get(site, ALICE, f"docker://head:5000#{REPO}@{digest}", config=config)
+    assert done.returncode == 0, done.stderr
+    entry = Path(done.stdout.strip())
+    assert entry.parent == cache and entry.stat().st_uid == site["uid"][ALICE]
+    assert as_service("node-config", "--make-cache").returncode == 0  # idempotent
+    released = site["cluster"].run([str(site["bin"] / "imgpipe-pyxis-importer"), "release"],
+                                   user=ALICE, env={"IMGPIPE_CONFIG": str(config)},
+                                   host=site["cluster"].spec.nodes[0], cwd="/tmp")
+    assert released.returncode == 0, released.stderr  # the step is over: no use is left
+    pruned = as_service("cache", "prune", "--max-size", "0")
+    assert pruned.returncode == 0, pruned.stderr
+    assert not entry.exists()  # the layout's owner may prune every user's entries
