@@ -254,14 +254,16 @@ def mirror(ctx: click.Context, source: str, dest: str | None) -> Result:
     """
     done = mirror_image(settings_of(ctx), source, dest,
                         Progress(choose_mode(invocation(ctx).json)))
-    sent = (f"{done.blobs_copied} blob(s) copied ({human_bytes(done.bytes_copied)}), "
-            f"{done.blobs_present} there already")
-    return Result({"source": done.source, "target": str(done.target), "digest": done.digest,
-                   "platforms": done.platforms, "blobs_copied": done.blobs_copied,
-                   "blobs_present": done.blobs_present, "bytes_copied": done.bytes_copied},
+    copied = done.copied
+    sent = (f"{copied.blobs_copied} blob(s) copied ({human_bytes(copied.bytes_copied)}), "
+            f"{copied.blobs_present} there already")
+    return Result({"source": done.source, "target": str(done.target), "digest": copied.digest,
+                   "platforms": copied.platforms, "blobs_copied": copied.blobs_copied,
+                   "blobs_present": copied.blobs_present, "bytes_copied": copied.bytes_copied},
                   [f"mirrored {source} -> {done.target.canonical}"
-                   + ("" if done.target.digest else f"@{done.digest}")
-                   + (f" ({', '.join(done.platforms)})" if done.platforms else "") + f": {sent}"])
+                   + ("" if done.target.digest else f"@{copied.digest}")
+                   + (f" ({', '.join(copied.platforms)})" if copied.platforms else "")
+                   + f": {sent}"])
 
 
 @click.command(context_settings=CONTEXT)

@@ -147,7 +147,8 @@ convert_command.name = "convert"
 @click.option("--plugstack", default=None, metavar="FILE", help="The plugstack slurmd reads "
               "(default: PlugStackConfig in slurm.conf, else plugstack.conf beside it).")
 @click.option("--venv", "node_venv", type=click.Path(file_okay=False, path_type=Path),
-              default=None, help="With --check/--apply: the node's imgpipe venv the importer "
+              default=None, help="With --check/--apply/--upgrade (which needs it): the node's "
+              "imgpipe venv the importer "
               "link names (default: this imgpipe's on the node itself; /opt/imgpipe in a "
               "node image given with --root).")
 @click.option("--site-config", type=click.Path(dir_okay=False, exists=True, path_type=Path),
@@ -155,7 +156,8 @@ convert_command.name = "convert"
               "have in /etc/imgpipe/imgpipe.yaml.")
 @click.option("--root", "node_root", type=click.Path(file_okay=False, path_type=Path),
               default=Path("/"), show_default=True,
-              help="With --check/--apply: the node's root (a node image, a chroot).")
+              help="With --check/--apply/--upgrade/--remove/--rollback: the node's root (a "
+              "node image, a chroot).")
 @reporting
 def node_config(ctx: click.Context, pyxis_version: tuple[int, int, int] | None,
                 pyxis_plugin: str | None,

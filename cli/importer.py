@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 # Pyxis runs the importer with the job's environment.  A user's PYTHONPATH (a yaml.py of
 # theirs, packages of another Python) must not decide what the importer imports, or every
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 path = enroot_get(uri)
             else:
-                path = fast_get(uri, "get") or get(uri)
+                path = _from_the_site(args[1], uri)
                 record_step(path)
             print(path, flush=True)
             return 0
@@ -78,6 +79,22 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(USAGE, file=sys.stderr)
     return 2
+
+
+def _from_the_site(asked: str, uri: str) -> Path:
+    """``uri`` from the site's registry; where it is the site's mirror of ``asked`` (another
+    registry's image), a failure names the command that copies it there."""
+    from imgpipe.base.errors import ImgpipeError
+
+    try:
+        return fast_get(uri, "get") or get(uri)
+    except ImgpipeError as exc:
+        if uri == asked:
+            raise
+        from imgpipe.commands.node.foreign import mirror_hint
+
+        raise ImgpipeError(f"{asked} is taken from the site registry's mirror, and "
+                           f"{exc.message}", hint=mirror_hint(asked)) from None
 
 
 def _fanout(args: list[str]) -> int:

@@ -41,6 +41,10 @@ def site() -> None:
 @click.option("--pyxis-importer/--no-pyxis-importer", default=None,
               help="Whether the nodes' Pyxis line has importer= (node-config --accept "
               "importer): the recipes then pin images by digest, else squashfs files.")
+@click.option("--cache-owner", default=None, metavar="ACCOUNT",
+              help="The squashfs folder's service account (enroot.cache_owner): it owns the "
+              "layout and its entries serve every user; on Lustre or NFS with root squash, "
+              "it, not root, runs node-config --make-cache.")
 @click.option("--partition", default=None, help=REQUIRED["partition"])
 @click.option("--data-root", type=click.Path(path_type=Path), default=None,
               help=REQUIRED["data_root"])
@@ -65,7 +69,7 @@ def init(ctx: click.Context, registry: str | None, registry_ca: Path | None, pla
          flavor: str, profile_name: str, base_profile: str, gpus_per_node: int | None,
          hcas: str | None, cores_per_node: int | None, gpu_memory_gb: int | None,
          busbw_gbs: float | None, config_path: Path, force: bool, distribution: str | None,
-         pyxis_importer: bool | None) -> Result:
+         pyxis_importer: bool | None, cache_owner: str | None) -> Result:
     """Write the site config (/etc/imgpipe/imgpipe.yaml) and a site profile.
 
     On a terminal, what no flag gave is asked; otherwise every required flag must be given.
@@ -95,7 +99,8 @@ def init(ctx: click.Context, registry: str | None, registry_ca: Path | None, pla
         base_profile=base_profile, gpus_per_node=gpus_per_node,
         hcas=hcas.split(",") if hcas else None, cores_per_node=cores_per_node,
         gpu_memory_gb=gpu_memory_gb, busbw_gbs=busbw_gbs, config=config_path,
-        overwrite=force, distribution=distribution, pyxis_importer=pyxis_importer))
+        overwrite=force, distribution=distribution, pyxis_importer=pyxis_importer,
+        cache_owner=cache_owner))
     return Result({"written": [str(p) for p in written]},
                   ([f"wrote {p}" for p in written] or [f"{config_path}: as answered already"]) + [
                       f"next: imgpipe recipes profile check {profile_name} (on a compute "

@@ -15,6 +15,10 @@ REGISTRY_CA=${REGISTRY_CA-/etc/pki/site-ca.crt}
 # and results
 SQUASHFS=${SQUASHFS-/lustre/imgpipe/squashfs}
 DISTRIBUTION=${DISTRIBUTION-}
+# The cache's service account (empty: none, root makes the folder); on Lustre
+# or NFS with root squash, name it: it makes the folder's layout, not root (the
+# file system's admin gives it SQUASHFS's parent folder first)
+CACHE_OWNER=${CACHE_OWNER-}
 PARTITION=${PARTITION-gpu}
 DATA=${DATA-/lustre/bert}
 # The shipped profile nearest your nodes, and how yours differ (empty: as
@@ -63,6 +67,8 @@ for line in $ACCEPT; do
 done
 distribution=()
 if [ -n "$DISTRIBUTION" ]; then distribution=(--distribution "$DISTRIBUTION"); fi
+owner=()
+if [ -n "$CACHE_OWNER" ]; then owner=(--cache-owner "$CACHE_OWNER"); fi
 
 if step 1; then
 say "1. the site's config and profile (login node, as root)"
@@ -71,7 +77,7 @@ if [ -n "$REGISTRY_CA" ]; then tls=(--registry-ca "$REGISTRY_CA"); fi
 # A site config edited since it was written is kept; any other refusal stops here.
 # shellcheck disable=SC2086 # NODE_SHAPE is flags
 if ! said=$("$IMGPIPE" site init --registry "$REGISTRY" "${tls[@]}" \
-    --squashfs-dir "$SQUASHFS" "${distribution[@]}" "$importer" \
+    --squashfs-dir "$SQUASHFS" "${distribution[@]}" "${owner[@]}" "$importer" \
     --partition "$PARTITION" --data-root "$DATA" \
     --flavor "$FLAVOR" --from "$PROFILE_FROM" $NODE_SHAPE 2>&1); then
   echo "$said" >&2
@@ -87,7 +93,11 @@ fi
 if [ -z "$DISTRIBUTION" ] || [ "$DISTRIBUTION" = shared ]; then
   # the shared folder, once, from a host that mounts it (node-local folders: a
   # boot unit on each node, docs/admin.md)
-  "$IMGPIPE" node-config --make-cache "$SQUASHFS"
+  if [ -n "$CACHE_OWNER" ]; then
+    runuser -u "$CACHE_OWNER" -- "$IMGPIPE" node-config --make-cache "$SQUASHFS"
+  else
+    "$IMGPIPE" node-config --make-cache "$SQUASHFS"
+  fi
 fi
 "$IMGPIPE" config show --origin
 "$IMGPIPE" doctor || echo "doctor: the lines above say what this host lacks"

@@ -65,7 +65,11 @@ class RegistryClient:
         retries: int = 3,
         allow_http: bool = False,
         blob_cache: str | None = None,
+        proxies_from_environment: bool = False,
     ) -> None:
+        """``proxies_from_environment``: honour HTTPS_PROXY and the like (a public registry
+        the site reaches through its proxy: ``imgpipe mirror``'s source); never for the
+        site's own registry."""
         self.base_url = base_url.rstrip("/")
         self.blob_cache = BlobCacheRoute(blob_cache) if blob_cache else None
         self.address = self.base_url.split("://", 1)[-1]
@@ -74,7 +78,7 @@ class RegistryClient:
         self.session = requests.Session()
         # Proxy variables from the environment must not divert registry traffic
         # to a head-node registry through an intercepting proxy.
-        self.session.trust_env = False
+        self.session.trust_env = proxies_from_environment
         # Refused connections and 5xx answers are retried; a read that timed out is not:
         # a registry silent for the whole read timeout would otherwise cost it 4 times.
         retry = Retry(

@@ -5,7 +5,7 @@ same digests on both sides (``registry.mirror``): what air-gapped nodes and buil
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from imgpipe.base.config import Settings
 from imgpipe.base.errors import ConfigError
@@ -13,7 +13,7 @@ from imgpipe.base.progress import Progress
 from imgpipe.commands.shared.wiring import registry_client
 from imgpipe.registry.auth import credentials_from_docker_config, credentials_from_netrc
 from imgpipe.registry.client import RegistryClient
-from imgpipe.registry.mirror import Side, copy_image
+from imgpipe.registry.mirror import Copied, Side, copy_image
 from imgpipe.registry.reference import Reference, through_mirror
 
 DOCKER_HUB = "docker.io"
@@ -22,15 +22,11 @@ DOCKER_HUB_API = "registry-1.docker.io"  # where docker.io's registry API answer
 
 @dataclass(frozen=True)
 class Mirrored:
-    """What ``imgpipe mirror`` did."""
+    """What ``imgpipe mirror`` did: from where, to where, and the copy's own account."""
 
     source: str
     target: Reference
-    digest: str
-    platforms: list[str] = field(default_factory=list)
-    blobs_copied: int = 0
-    blobs_present: int = 0
-    bytes_copied: int = 0
+    copied: Copied
 
 
 def mirror_image(settings: Settings, source: str, dest: str | None, progress: Progress
@@ -59,9 +55,8 @@ def mirror_image(settings: Settings, source: str, dest: str | None, progress: Pr
     if target.digest and target.digest != copied.digest:
         raise ConfigError(f"{source} is {copied.digest}, not the {target.digest} DEST names",
                           hint="give DEST as repository:tag")
-    return Mirrored(source, target, copied.digest,
-                    sorted(set(copied.platforms)), copied.blobs_copied, copied.blobs_present,
-                    copied.bytes_copied)
+    copied.platforms = sorted(set(copied.platforms))
+    return Mirrored(source, target, copied)
 
 
 def _same_name(src: Reference, settings: Settings) -> str:
@@ -75,7 +70,8 @@ def _same_name(src: Reference, settings: Settings) -> str:
 
 def source_client(settings: Settings, address: str) -> RegistryClient:
     """A client for the registry a mirror copies from: the configured one as configured;
-    another over https (plain http only on this host's loopback, as Docker allows), with
+    another over https through the proxy the environment names (HTTPS_PROXY, NO_PROXY; its
+    CA: REQUESTS_CA_BUNDLE), plain http only on this host's loopback (as Docker allows), with
     this user's credentials for it from ``docker login`` (``$DOCKER_CONFIG``) or ~/.netrc."""
     if address == settings.registry.address:
         return registry_client(settings)
@@ -83,7 +79,7 @@ def source_client(settings: Settings, address: str) -> RegistryClient:
     loopback = _is_loopback(host)
     credentials = credentials_from_docker_config(address) or credentials_from_netrc(address)
     return RegistryClient(f"{'http' if loopback else 'https'}://{host}", credentials=credentials,
-                          allow_http=loopback)
+                          allow_http=loopback, proxies_from_environment=not loopback)
 
 
 def _is_loopback(address: str) -> bool:

@@ -42,7 +42,7 @@ class AuditSite:
     def argv(self, fields: list[str]) -> list[str]:
         """The recorder's command line: through sudo unless root asks."""
         call = [self.recorder, "--config", self.config, *fields]
-        return call if os.geteuid() == 0 else ["sudo", "-n", *call]
+        return call if os.geteuid() == 0 else [system_sudo(), "-n", *call]
 
     def sudoers(self) -> str:
         return f"ALL ALL=(root) NOPASSWD: {self.recorder} --config {self.config} *"
@@ -107,7 +107,7 @@ def record(event: str, image: str, digest: str | None, squashfs: str | os.PathLi
         process.run(argv, timeout=RECORD_TIMEOUT_S, what="the audit recorder")
     except ImgpipeError as exc:
         said = process.last_line(getattr(exc, "stderr", "")) or exc.message
-        sudo = argv[0] == "sudo" and said.startswith("sudo:")
+        sudo = os.path.basename(argv[0]) == "sudo" and said.startswith("sudo:")
         raise ImgpipeError(
             f"the audit log {site.log} ({site.config}) did not take this {event}: "
             f"{shown(said, 300)}",
@@ -120,3 +120,15 @@ def result_of(conversion: Conversion) -> str:
     if not conversion.converted:
         return "found"
     return "fetched" if conversion.published else "converted"
+
+
+SUDO_PATHS = ("/usr/bin/sudo", "/bin/sudo", "/usr/local/bin/sudo")
+
+
+def system_sudo() -> str:
+    """The system's sudo, never one the job's PATH names (a user's own ``sudo`` script would
+    skip the line and exit 0)."""
+    for path in SUDO_PATHS:
+        if os.access(path, os.X_OK):
+            return path
+    return SUDO_PATHS[0]  # not installed: the run fails, naming it

@@ -58,7 +58,7 @@ def remove_node(settings: Settings, plan: NodePlan) -> Removal:
     root = plan.root
     if os.geteuid() != 0 and root == Path("/"):
         raise ConfigError("node-config --remove writes /etc and /usr/local/bin: run it as root")
-    plugstack = plan.plugstack or find_plugstack(root)[0]
+    plugstack, how = (plan.plugstack, "--plugstack") if plan.plugstack else find_plugstack(root)
     edits = _plugstack_edits(root, plugstack)
     for path in edits:
         kind = filesystem_type(path)
@@ -79,10 +79,20 @@ def remove_node(settings: Settings, plan: NodePlan) -> Removal:
             removal.done.append(f"removed {path}")
     _remove_sudoers(root, backup, removal)
     with_imgpipe = _under(root, SITE_CONFIG).parent
-    if with_imgpipe.is_dir() and not any(with_imgpipe.iterdir()):
-        with_imgpipe.rmdir()
+    if with_imgpipe.is_dir():
+        left = sorted(p.name for p in with_imgpipe.iterdir())
+        if left:
+            removal.kept.append(f"{with_imgpipe}: {', '.join(left[:8])} (the site's own "
+                                "files there: profiles, a CA, other configs)")
+        else:
+            with_imgpipe.rmdir()
     _empty_cache(settings, root, removal)
     _say_kept(settings, root, removal)
+    if how.startswith("Slurm's default"):
+        removal.kept.append(f"{plugstack}: no slurm.conf here says slurmd reads it (configless "
+                            "Slurm?): take importer= out of the plugstack slurmd does read "
+                            "(the controller's) before imgpipe leaves the nodes, or every "
+                            "--container-image step there fails")
     if edits:
         removal.done.append("restart slurmd on the node: its plugstack changed")
     if units:
@@ -111,14 +121,18 @@ def _plugstack_edits(root: Path, plugstack: str) -> dict[Path, str]:
 
 
 def _remove_link(root: Path, backup: Backup, removal: Removal) -> None:
-    link = _under(root, importer_path())
-    if link.is_symlink():
-        target = os.readlink(link)
-        removal.done += backup.keep(link)
-        link.unlink()
-        removal.done.append(f"removed {link} (-> {target})")
-    elif os.path.lexists(link):
-        removal.kept.append(f"{link}: a file that is not imgpipe's link (left as it is)")
+    """The importer link, and the links the admin guide has beside it (the cache writer's,
+    the audit recorder's): links only, never a file that stands there."""
+    folder = _under(root, importer_path()).parent
+    for name in PROGRAMS:
+        link = folder / name
+        if link.is_symlink():
+            target = os.readlink(link)
+            removal.done += backup.keep(link)
+            link.unlink()
+            removal.done.append(f"removed {link} (-> {target})")
+        elif os.path.lexists(link):
+            removal.kept.append(f"{link}: a file that is not imgpipe's link (left as it is)")
 
 
 def _units(root: Path) -> list[Path]:

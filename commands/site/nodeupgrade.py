@@ -124,7 +124,9 @@ def processes_running_from(venv: Path) -> list[int]:
 def _still_running(venv: Path) -> str:
     running = processes_running_from(venv)
     if not running:
-        return f"nothing runs from {venv} now: remove it when you like"
+        return (f"nothing runs from {venv} now: remove it once nothing names it either (the "
+                "sudoers lines of the cache writer and the audit recorder, audit.recorder, "
+                "enroot.cache_writer, a boot unit's ExecStart: point them at the new venv)")
     shown = ", ".join(map(str, running[:10])) + (" …" if len(running) > 10 else "")
     return (f"{len(running)} process(es) still run from {venv} (pids {shown}): they finish "
             "there; remove it once none does (the next step already runs the new one)")

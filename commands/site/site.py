@@ -49,6 +49,7 @@ class SiteAnswers:
     overwrite: bool = False
     distribution: str | None = None  # None: shared on a cluster file system, else asked
     pyxis_importer: bool | None = None  # the nodes' Pyxis line has importer=
+    cache_owner: str | None = None  # the cache's service account (root squash: root cannot write)
     notes: list[str] = field(default_factory=list)
 
 
@@ -90,6 +91,8 @@ def site_config(answers: SiteAnswers) -> dict[str, object]:
     enroot: dict[str, object] = {"distribution": distribution_of(answers)}
     if answers.pyxis_importer is not None:
         enroot["pyxis_importer"] = answers.pyxis_importer
+    if answers.cache_owner:
+        enroot["cache_owner"] = answers.cache_owner
     return {
         "registry": _registry(answers),
         "default_flavor": answers.flavor,

@@ -157,3 +157,12 @@ def test_an_unmirrored_image_that_enroot_cannot_fetch_names_the_mirror_command(
     assert "Could not resolve host: nvcr.io" in line, line
     assert "imgpipe mirror nvcr.io/nvidia/pytorch:25.01-py3" in line, line
     assert 'registry.mirrors: {nvcr.io: ""}' in line, line
+
+
+def test_a_mapped_image_the_mirror_lacks_names_the_mirror_command(tmp_path: Path) -> None:
+    done = _importer(tmp_path, "get", "docker://nvcr.io#nvidia/pytorch:99.99-py3",
+                     config_text="registry: {host: 127.0.0.1, port: 9, mirrors: {nvcr.io: ''}}\n")
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert "is taken from the site registry's mirror" in line, line
+    assert "imgpipe mirror nvcr.io/nvidia/pytorch:99.99-py3" in line, line

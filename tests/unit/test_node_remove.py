@@ -43,6 +43,10 @@ def _guide_files(root: Path) -> None:
             "etc/logrotate.d/imgpipe": "/var/log/imgpipe/audit.jsonl { weekly }\n"}.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
+    (root / "usr/local/bin/imgpipe-cache-writer").symlink_to(
+        "/opt/imgpipe/bin/imgpipe-cache-writer")
+    (root / "etc/imgpipe/profiles").mkdir(parents=True, exist_ok=True)
+    (root / "etc/imgpipe/profiles/site.yaml").write_text("name: site\n")
     wants = root / "etc/systemd/system/multi-user.target.wants"
     wants.mkdir(parents=True)
     (wants / "imgpipe-cache.service").symlink_to("/etc/systemd/system/imgpipe-cache.service")
@@ -63,11 +67,12 @@ def test_remove_takes_back_every_step_and_rollback_puts_it_back(cli, tmp_path: P
     code, out, err = cli("node-config", "--remove", "--root", str(root), "--json")
     assert code == 0, err
     after = sums(root)
-    assert {k: v for k, v in after.items() if not k.startswith(("var/lib/imgpipe/backups",
-                                                                "etc/sudoers.d/mixed"))} \
+    assert {k: v for k, v in after.items() if not k.startswith((
+        "var/lib/imgpipe/backups", "etc/sudoers.d/mixed", "etc/imgpipe/profiles"))} \
         == {k: v for k, v in site.items()}  # the site's own files as they were, byte for byte
     assert pyxis.read_text() == f"# the site's\n{PYXIS}  # ours\n"
-    for gone in (LINK, "etc/imgpipe/imgpipe.yaml", "etc/imgpipe", "etc/sudoers.d/imgpipe",
+    for gone in (LINK, "etc/imgpipe/imgpipe.yaml", "usr/local/bin/imgpipe-cache-writer",
+                 "etc/sudoers.d/imgpipe",
                  "etc/systemd/system/imgpipe-cache.service", "etc/logrotate.d/imgpipe",
                  "etc/systemd/system/multi-user.target.wants/imgpipe-cache.service"):
         assert not os.path.lexists(root / gone), gone
@@ -75,6 +80,7 @@ def test_remove_takes_back_every_step_and_rollback_puts_it_back(cli, tmp_path: P
     data = json.loads(out)["data"]
     kept = "\n".join(data["kept"])
     assert "etc/sudoers.d/mixed: imgpipe's rules among the site's" in kept
+    assert "etc/imgpipe: profiles (the site's own files there" in kept
     assert "var/lib/imgpipe/backups" in kept and "venv" in kept
     assert any("restart slurmd" in line for line in data["removed"])
     assert any("daemon-reload" in line for line in data["removed"])

@@ -166,3 +166,13 @@ def test_the_shipped_dgx_h100_profile_passes_on_a_hyper_threaded_node_with_stora
     wrong = check(h100, NodeFacts(["batch"], sorted(h100.hcas), None, 96, 48))
     assert "cores_per_node: the profile says 112, this node has 48 cores, 96 logical CPUs" \
         in wrong.mismatches
+
+
+def test_site_init_names_the_caches_service_account(cli, tmp_path: Path) -> None:
+    """Lustre or NFS with root squash: the service account, not root, makes the layout, and
+    the site config says so (docs/first-hour.sh's CACHE_OWNER)."""
+    code, _, err = _site(cli, tmp_path, "--distribution", "shared", "--cache-owner",
+                         "imgpipe-cache")
+    assert code == 0, err
+    config = yaml.safe_load((tmp_path / "etc" / "imgpipe.yaml").read_text())
+    assert config["enroot"]["cache_owner"] == "imgpipe-cache"
