@@ -38,8 +38,11 @@ def find_config(start: Path) -> Path | None:
     """The nearest imgpipe.yaml in ``start`` or a parent folder, or None."""
     for folder in (start, *start.parents):
         candidate = folder / CONFIG_NAME
-        if candidate.is_file():
-            return candidate
+        try:
+            if candidate.is_file():
+                return candidate
+        except PermissionError:  # a folder closed to this account (root's home for sudo -u)
+            continue
     return None
 
 

@@ -244,7 +244,8 @@ def mirror(ctx: click.Context, source: str, dest: str | None) -> Result:
     Credentials for SRC's registry come from `docker login` or ~/.netrc.
 
     DEST is a repository:tag in the configured registry (default: SRC's
-    repository and tag).
+    repository and tag, under the prefix registry.mirrors gives SRC's
+    registry).
 
     \b
     Example:

@@ -94,7 +94,7 @@ if [ -z "$DISTRIBUTION" ] || [ "$DISTRIBUTION" = shared ]; then
   # the shared folder, once, from a host that mounts it (node-local folders: a
   # boot unit on each node, docs/admin.md)
   if [ -n "$CACHE_OWNER" ]; then
-    runuser -u "$CACHE_OWNER" -- "$IMGPIPE" node-config --make-cache "$SQUASHFS"
+    (cd / && runuser -u "$CACHE_OWNER" -- "$IMGPIPE" node-config --make-cache "$SQUASHFS")
   else
     "$IMGPIPE" node-config --make-cache "$SQUASHFS"
   fi

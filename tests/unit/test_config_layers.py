@@ -94,3 +94,24 @@ def test_a_bad_key_names_the_layer_that_set_it(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as caught:
         load_settings(cwd=tmp_path, site=files["site"], user=files["user"])
     assert str(caught.value).startswith(f"{files['user']}: registry.port: must be an integer")
+
+
+def test_a_folder_closed_to_this_account_is_passed_over(tmp_path, monkeypatch) -> None:
+    """`sudo -u imgpipe-cache imgpipe …` started in root's home: the lookup of a project's
+    imgpipe.yaml passes the folder it may not enter instead of failing with a traceback."""
+    from pathlib import Path
+
+    from imgpipe.base.configlayers import find_config
+
+    closed = tmp_path / "root-home"
+    closed.mkdir()
+    (tmp_path / "imgpipe.yaml").write_text("{}\n")
+    real = Path.is_file
+
+    def is_file(path: Path) -> bool:
+        if path.parent == closed:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(Path, "is_file", is_file)
+    assert find_config(closed) == tmp_path / "imgpipe.yaml"
