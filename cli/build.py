@@ -250,8 +250,8 @@ def mirror(ctx: click.Context, source: str, dest: str | None) -> Result:
     \b
     Example:
       docker login nvcr.io   # user $oauthtoken, your NGC API key
-      imgpipe mirror nvcr.io/nvidia/pytorch:24.05-py3
-      imgpipe build bert --flavor ngc --base 127.0.0.1:5000/nvidia/pytorch:24.05-py3
+      imgpipe mirror nvcr.io/nvidia/pytorch:25.01-py3   # bert's ngc base
+      imgpipe build bert --flavor ngc --base 127.0.0.1:5000/nvidia/pytorch:25.01-py3
     """
     done = mirror_image(settings_of(ctx), source, dest,
                         Progress(choose_mode(invocation(ctx).json)))

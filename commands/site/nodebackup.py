@@ -96,10 +96,11 @@ def rollback(root: Path) -> list[str]:
         target = root / copy.relative_to(run)
         walk_folder(target.parent)
         held = copy.lstat()
-        if copy.is_symlink():
-            if os.path.lexists(target):
-                target.unlink()
-            os.symlink(os.readlink(copy), target)
+        if copy.is_symlink():  # one rename: a step starting now finds the old or the new one
+            swap = target.with_name(f".{target.name}.{os.getpid()}.rollback")
+            swap.unlink(missing_ok=True)
+            os.symlink(os.readlink(copy), swap)
+            os.replace(swap, target)
         else:
             atomic_write(target, copy.read_bytes(), mode=held.st_mode & 0o777)
         os.chown(target, held.st_uid, held.st_gid, follow_symlinks=False)

@@ -190,7 +190,7 @@ def _empty_cache(settings: Settings, root: Path, removal: Removal) -> None:
         for entry in pruned.kept_in_use:
             users = ", ".join(u.replace("~", " ") for u in entry.users) or "a running step"
             removal.kept.append(f"{entry.path}: in use ({users}); remove it after that job "
-                                "(imgpipe cache prune --max-size 0)")
+                                "(imgpipe cache prune --max-size 0, as the folder's owner)")
         return
     shutil.rmtree(folder)  # fd-based, never through a link
     removal.done.append(f"removed {folder}")
@@ -201,8 +201,10 @@ def _say_kept(settings: Settings, root: Path, removal: Removal) -> None:
     if backups.is_dir():
         removal.kept.append(f"{backups}: what each run replaced or removed (node-config "
                             "--rollback puts the last run back; remove the folder to forget)")
-    if _under(root, AUDIT_LOG).is_dir():
-        removal.kept.append(f"{_under(root, AUDIT_LOG)}: the audit log, a security record")
+    logs = {_under(root, AUDIT_LOG)} | ({_under(root, Path(settings.audit.log).parent)}
+                                        if settings.audit.log else set())
+    for folder in sorted(p for p in logs if p.is_dir()):
+        removal.kept.append(f"{folder}: the audit log, a security record")
     if settings.enroot.cache_owner:
         removal.kept.append(f"account {settings.enroot.cache_owner}: the cache's service "
                             "account (userdel it once no cache it owns remains)")
