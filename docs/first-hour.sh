@@ -45,7 +45,7 @@ ACCEPT=${ACCEPT-}
 # imgpipe's checkout (its catalog and lock)
 NODE_ROOT=${NODE_ROOT-/}
 # The site config step 3 installs on a node (a copy of the login node's, e.g.
-# from a folder every node sees)
+# from a folder every node sees; root's, in a folder only root may write)
 SITE_CONFIG_FILE=${SITE_CONFIG_FILE-/etc/imgpipe/imgpipe.yaml}
 IMGPIPE=${IMGPIPE-$(command -v imgpipe || echo /opt/imgpipe/bin/imgpipe)}
 CHECKOUT=${CHECKOUT-$(cd "$(dirname "$0")/.." && pwd)}

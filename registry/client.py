@@ -77,8 +77,14 @@ class RegistryClient:
         self.verify: bool | str = str(ca_file) if ca_file else True
         self.session = requests.Session()
         # Proxy variables from the environment must not divert registry traffic
-        # to a head-node registry through an intercepting proxy.
-        self.session.trust_env = proxies_from_environment
+        # to a head-node registry through an intercepting proxy.  Nothing else of the
+        # environment either: with trust_env, requests would send ~/.netrc's login as Basic
+        # over the bearer token a registry issued.
+        self.session.trust_env = False
+        if proxies_from_environment:  # the proxies alone (HTTPS_PROXY, NO_PROXY) and their CA
+            self.session.proxies.update(requests.utils.get_environ_proxies(self.base_url))
+            if not ca_file:
+                self.verify = os.environ.get("REQUESTS_CA_BUNDLE") or True
         # Refused connections and 5xx answers are retried; a read that timed out is not:
         # a registry silent for the whole read timeout would otherwise cost it 4 times.
         retry = Retry(

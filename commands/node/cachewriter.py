@@ -32,7 +32,7 @@ from imgpipe.base import process
 from imgpipe.base.config import Settings
 from imgpipe.base.errors import ImgpipeError
 from imgpipe.base.terminal import shown
-from imgpipe.commands.node.audit import record, result_of
+from imgpipe.commands.node.audit import record, result_of, system_sudo
 from imgpipe.commands.node.cache import prune_after_conversion
 from imgpipe.commands.shared.wiring import registry_client, squash_options, storage
 from imgpipe.enroot.cache.trust import user_name
@@ -93,7 +93,8 @@ def ask_writer(settings: Settings, ref: Reference, say: Callable[[str], None]) -
     if not command or not owner:
         return False
     digest = ref.digest or resolve_digest(registry_client(settings), ref)
-    argv = ["sudo", "-n", "-u", owner, *shlex.split(command), f"{ref.repository}@{digest}"]
+    argv = [system_sudo(), "-n", "-u", owner, *shlex.split(command),
+            f"{ref.repository}@{digest}"]
     say(f"asking {owner} to convert {ref.repository}@{digest[:19]} for every user")
     try:
         process.run(argv, timeout=WRITER_TIMEOUT_S, what="the cache writer")

@@ -44,3 +44,23 @@ def test_a_mirror_entry_that_cannot_be_is_refused(mirrors: dict[str, str], says:
 def test_mirror_entries_that_can_be() -> None:
     config = RegistryConfig(mirrors={"nvcr.io": "", "registry.example:5000": "vendor/x"})
     assert config.mirrors["registry.example:5000"] == "vendor/x"
+
+
+def test_the_mirrors_source_goes_through_the_sites_proxy_and_nothing_else_of_the_env(
+        monkeypatch) -> None:
+    """`imgpipe mirror` reaches nvcr.io through HTTPS_PROXY (the build host's way out), but
+    not ~/.netrc's Basic login over the token nvcr.io issues (requests' trust_env would send
+    it); the site registry's own client never takes a proxy."""
+    from imgpipe.registry.client import RegistryClient
+
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.site.example:3128")
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", "/etc/pki/proxy-ca.pem")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    source = RegistryClient("https://nvcr.io", proxies_from_environment=True)
+    assert source.session.proxies.get("https") == "http://proxy.site.example:3128"
+    assert source.session.trust_env is False and source.verify == "/etc/pki/proxy-ca.pem"
+    site = RegistryClient("https://head:5000")
+    assert not site.session.proxies and site.verify is True
+    monkeypatch.setenv("NO_PROXY", "nvcr.io")
+    assert not RegistryClient("https://nvcr.io", proxies_from_environment=True).session.proxies
