@@ -221,6 +221,17 @@ case "$mode" in
     ;;
   build-host)
     if [ "$(id -u)" -ne 0 ]; then echo "setup.sh build-host: run it as root" >&2; exit 2; fi
+    if ! command -v dpkg-query >/dev/null; then
+      # Not Debian's: its packages are the admin's to install (RHEL/Rocky: dnf install
+      # python3.11 squashfs-tools git, Docker CE from Docker's repository, and tar2sqfs from
+      # squashfs-tools-ng where the host converts); then the venv, from PYTHON.
+      log "no dpkg here: install Docker (BuildKit), squashfs-tools, git and Python 3.11+" \
+        "yourself (RHEL: dnf install python3.11 squashfs-tools git; Docker CE); making .venv" \
+        "with PYTHON=${PYTHON:-python3}"
+      make_build_venv
+      log "done: .venv/bin/imgpipe doctor (the engine must run: systemctl enable --now docker)"
+      exit 0
+    fi
     case "${2:-}" in
       "") install_packages "${BUILD_HOST_PACKAGES[@]}" ;;
       --arm64) install_packages "${BUILD_HOST_PACKAGES[@]}" "${EMULATION_PACKAGES[@]}"

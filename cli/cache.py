@@ -10,7 +10,7 @@ from imgpipe.base.terminal import shown
 from imgpipe.base.units import human_bytes, parse_size
 from imgpipe.cli.clikit import CONTEXT, parsed_by, reporting, settings_of
 from imgpipe.cli.output import Result
-from imgpipe.commands.node.cache import list_cache, prune_cache
+from imgpipe.commands.node.cache import Entry, list_cache, prune_cache
 
 
 def _age(seconds: float) -> str:
@@ -30,25 +30,33 @@ def cache() -> None:
     """
 
 
+def _name(entry: Entry) -> str:
+    """An entry's name; a private one's with its user's folder (u<uid>/NAME)."""
+    folder = entry.path.parent.name
+    private = folder[1:].isdigit() and folder.startswith("u")
+    return f"{folder}/{entry.path.name}" if private else entry.path.name
+
+
 @cache.command(name="ls", context_settings=CONTEXT)
 @reporting
 def ls_command(ctx: click.Context) -> Result:
     """Each squashfs file and blob: size, last use, and the jobs using it now; then
     anything unsafe in the cache (wrong owners or modes, links, planted entries)."""
-    found, unsafe = list_cache(settings_of(ctx))
+    found, unsafe, unseen = list_cache(settings_of(ctx))
     now = time.time()
     lines = [f"{'kind':<8} {'size':>10} {'last use':>9}  name (users)"]
     for entry in found:
         users = f" ({', '.join(entry.users)})" if entry.users else ""
         lines.append(f"{entry.kind:<8} {human_bytes(entry.size):>10} "
-                     f"{_age(now - entry.last_use):>9}  {shown(entry.path.name)}"
+                     f"{_age(now - entry.last_use):>9}  {shown(_name(entry))}"
                      f"{shown(users)}")
     total = sum(e.size for e in found)
     lines.append(f"{len(found)} entries, {human_bytes(total)}")
+    lines += [unseen] if unseen else []
     lines += [f"unsafe: {problem}" for problem in unsafe]  # audit escaped the names in them
     return Result({"entries": [{"kind": e.kind, "path": e.path, "size": e.size,
                                 "last_use": e.last_use, "users": e.users} for e in found],
-                   "total": total, "unsafe": unsafe}, lines)
+                   "total": total, "unsafe": unsafe, "unreadable": unseen}, lines)
 
 
 @cache.command(name="prune", context_settings=CONTEXT)

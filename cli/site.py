@@ -32,6 +32,10 @@ def site() -> None:
 @click.option("--plain-http", is_flag=True, help="A registry without TLS.  imgpipe's importer "
               "fetches over http by itself; Enroot pulling imgpipe's images without the "
               "importer would need ENROOT_ALLOW_HTTP, which switches every registry to http.")
+@click.option("--credentials", type=click.Choice(["netrc", "docker-config"]), default=None,
+              help="A registry with logins (registry.credentials.source): each user's own "
+              "login, read from the ~/.netrc (or ~/.docker/config.json) of whoever runs the "
+              "command or the job (the nodes' importer too).  Needs TLS.")
 @click.option("--squashfs-dir", type=click.Path(path_type=Path), default=None,
               help=REQUIRED["squashfs_dir"])
 @click.option("--distribution", type=click.Choice(DISTRIBUTIONS), default=None,
@@ -69,7 +73,8 @@ def init(ctx: click.Context, registry: str | None, registry_ca: Path | None, pla
          flavor: str, profile_name: str, base_profile: str, gpus_per_node: int | None,
          hcas: str | None, cores_per_node: int | None, gpu_memory_gb: int | None,
          busbw_gbs: float | None, config_path: Path, force: bool, distribution: str | None,
-         pyxis_importer: bool | None, cache_owner: str | None) -> Result:
+         pyxis_importer: bool | None, cache_owner: str | None,
+         credentials: str | None) -> Result:
     """Write the site config (/etc/imgpipe/imgpipe.yaml) and a site profile.
 
     On a terminal, what no flag gave is asked; otherwise every required flag must be given.
@@ -100,7 +105,7 @@ def init(ctx: click.Context, registry: str | None, registry_ca: Path | None, pla
         hcas=hcas.split(",") if hcas else None, cores_per_node=cores_per_node,
         gpu_memory_gb=gpu_memory_gb, busbw_gbs=busbw_gbs, config=config_path,
         overwrite=force, distribution=distribution, pyxis_importer=pyxis_importer,
-        cache_owner=cache_owner))
+        cache_owner=cache_owner, credentials=credentials))
     return Result({"written": [str(p) for p in written]},
                   ([f"wrote {p}" for p in written] or [f"{config_path}: as answered already"]) + [
                       f"next: imgpipe recipes profile check {profile_name} (on a compute "

@@ -8,11 +8,15 @@ set -euo pipefail
 # The head node's registry, and the CA that signed its certificate ("": http)
 REGISTRY=${REGISTRY-head:5000}
 REGISTRY_CA=${REGISTRY_CA-/etc/pki/site-ca.crt}
+# Whether it asks for logins: netrc (each user's ~/.netrc: machine HOST login USER password
+# PASSWORD, 0600; the nodes' importer reads the job user's), docker-config, or "" for none
+CREDENTIALS=${CREDENTIALS-}
 # The squashfs folder, and how images reach it on the nodes (empty: shared when
 # SQUASHFS is on a cluster file system, else site init asks; sbcast / fetch /
-# broadcast for a node-local folder, the same path on every node, need
-# ACCEPT=importer); the partition jobs run in; the folder for data, checkpoints
-# and results
+# broadcast for a node-local folder, the same path on every node, e.g.
+# /var/lib/imgpipe/squashfs, need ACCEPT=importer; step 3 installs the unit that
+# makes it at each boot); the partition jobs run in; the folder for data,
+# checkpoints and results
 SQUASHFS=${SQUASHFS-/lustre/imgpipe/squashfs}
 DISTRIBUTION=${DISTRIBUTION-}
 # The cache's service account (empty: none, root makes the folder); on Lustre
@@ -69,6 +73,8 @@ distribution=()
 if [ -n "$DISTRIBUTION" ]; then distribution=(--distribution "$DISTRIBUTION"); fi
 owner=()
 if [ -n "$CACHE_OWNER" ]; then owner=(--cache-owner "$CACHE_OWNER"); fi
+logins=()
+if [ -n "$CREDENTIALS" ]; then logins=(--credentials "$CREDENTIALS"); fi
 
 if step 1; then
 say "1. the site's config and profile (login node, as root)"
@@ -76,7 +82,7 @@ tls=(--plain-http)
 if [ -n "$REGISTRY_CA" ]; then tls=(--registry-ca "$REGISTRY_CA"); fi
 # A site config edited since it was written is kept; any other refusal stops here.
 # shellcheck disable=SC2086 # NODE_SHAPE is flags
-if ! said=$("$IMGPIPE" site init --registry "$REGISTRY" "${tls[@]}" \
+if ! said=$("$IMGPIPE" site init --registry "$REGISTRY" "${tls[@]}" "${logins[@]}" \
     --squashfs-dir "$SQUASHFS" "${distribution[@]}" "${owner[@]}" "$importer" \
     --partition "$PARTITION" --data-root "$DATA" \
     --flavor "$FLAVOR" --from "$PROFILE_FROM" $NODE_SHAPE 2>&1); then
@@ -120,6 +126,12 @@ say "3. imgpipe on each compute node (as root; NODE_ROOT for a node image)"
 "$IMGPIPE" node-config --check --root "$NODE_ROOT" --site-config "$SITE_CONFIG_FILE"
 "$IMGPIPE" node-config --apply --root "$NODE_ROOT" --site-config "$SITE_CONFIG_FILE" \
     "${accept[@]}"
+case "$DISTRIBUTION" in
+  fetch|sbcast|broadcast)
+    # --apply wrote the unit that makes the node-local folder at each boot (before
+    # slurmd); on the node itself it made the folder now too
+    echo "node-local $SQUASHFS: /etc/systemd/system/imgpipe-cache.service makes it at boot" ;;
+esac
 # The profile's file must be on the node too (a copy of the login node's
 # /etc/imgpipe/profiles, or a profiles_dir every node sees).
 "$IMGPIPE" recipes profile check site \
@@ -131,6 +143,12 @@ say "4. the first jobs (login node, as a user, in the checkout)"
 if [ "$(id -u)" = 0 ] && [ -z "$AS_USER" ]; then
   echo "step 4: set AS_USER to the user who runs the first jobs (not root)" >&2
   exit 2
+fi
+if [ -n "$CREDENTIALS" ]; then
+  # Each user's own login, read by the login node's commands and by the nodes' importer
+  # as the job's user; without one, jobs end in one line naming it.
+  as_user "$IMGPIPE" registry status >/dev/null \
+    || echo "step 4: $AS_USER needs a registry login first (~/.netrc, 0600)" >&2
 fi
 # Under DATA, which every node sees: sbatch --chdir must exist on the nodes too.
 recipes="$DATA/first-hour-recipes"

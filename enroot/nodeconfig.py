@@ -147,7 +147,8 @@ def _registry_lines(settings: Settings) -> list[Change]:
         return [Change(ENROOT_CONF, f"SSL_CERT_FILE {ca}", False, False,
                        "replaces the CA bundle Enroot trusts for every registry",
                        f"not needed with importer=; else add {ca} to the system's bundle "
-                       "(update-ca-certificates), which keeps the public CAs")]
+                       "(update-ca-certificates; RHEL: update-ca-trust), which keeps the "
+                       "public CAs")]
     return []
 
 

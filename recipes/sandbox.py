@@ -152,7 +152,10 @@ class Sandbox:
                 pyxis=str(spec.get("pyxis")) == "True", importer=str(spec.get("importer") or ""),
                 squashfuse=str(spec.get("squashfuse", "True")) == "True",
                 pyxis_line=str(spec.get("pyxis_line") or ""),
-                node_binds=str(spec.get("node_binds") or "")))
+                node_binds=str(spec.get("node_binds") or ""),
+                node_disks=str(spec.get("node_disks") or ""),
+                registry_tls=str(spec.get("registry_tls") or ""),
+                registry_htpasswd=str(spec.get("registry_htpasswd") or "")))
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -304,7 +307,9 @@ class Sandbox:
     def _start_daemons(self, state: State, registry_storage: Path | None) -> None:
         root = self.root
         write_boot_script(self.root, self.spec.node_scratch, self.spec.pyxis,
-                          self.spec.node_binds)
+                          self.spec.node_binds, self.spec.node_disks)
+        for folder in filter(None, self.spec.node_disks.split(",")):
+            Path(folder).mkdir(parents=True, exist_ok=True)  # the mount point
         for host in self.spec.nodes:
             (root / "spool" / host.name).mkdir(parents=True, exist_ok=True)
         munge = root / "munge"
@@ -323,15 +328,22 @@ class Sandbox:
 
     def _start_registry(self, state: State, storage: Path) -> None:
         """Debian's registry on the head host, serving ``storage`` read-only (another
-        registry on the same folder may be the one images are pushed to)."""
+        registry on the same folder may be the one images are pushed to); with TLS and logins
+        where the spec gives a certificate and an htpasswd file."""
         config = self.root / "registry.yml"
+        http: dict[str, object] = {"addr": f"{self.spec.head.address}:{REGISTRY_PORT}"}
+        if self.spec.registry_tls:
+            cert, _, key = self.spec.registry_tls.partition(":")
+            http["tls"] = {"certificate": cert, "key": key}
+        auth = ({"htpasswd": {"realm": "sandbox", "path": self.spec.registry_htpasswd}}
+                if self.spec.registry_htpasswd else None)
         config.write_text(json.dumps({
             "version": 0.1,
             "log": {"level": "warn"},
             "storage": {"filesystem": {"rootdirectory": str(storage)},
                         "maintenance": {"readonly": {"enabled": True},
                                         "uploadpurging": {"enabled": False}}},
-            "http": {"addr": f"{self.spec.head.address}:{REGISTRY_PORT}"},
+            "http": http, **({"auth": auth} if auth else {}),
         }))
         binary = shutil.which("docker-registry") or "/usr/bin/docker-registry"
         self._daemon(state, "registry", self.spec.head, [binary, "serve", str(config)])

@@ -70,6 +70,13 @@ class SandboxSpec:
     pyxis_line: str = ""  # the plugstack line itself (rendered by with_pyxis)
     # "FOLDER:TARGET,...": a node image's folders bound over each host's own
     node_binds: str = ""
+    # "FOLDER,...": folders each compute host has a disk of its own at (an empty tmpfs at
+    # every start), as a rack of nodes with local NVMe has /var/lib/imgpipe
+    node_disks: str = ""
+    # the head registry with TLS ("CERT:KEY", a certificate for the name "head") and logins
+    # (an htpasswd file, bcrypt): the registry a site with logins runs
+    registry_tls: str = ""
+    registry_htpasswd: str = ""
 
     def node_platform(self, host: Host) -> Platform:
         """The platform ``host`` stands for (this machine's unless ``platforms`` says)."""
@@ -214,7 +221,7 @@ def write_platform_prolog(root: Path, emulated: dict[str, Platform]) -> Path | N
 
 
 def write_boot_script(root: Path, node_scratch: str = "", pyxis: bool = False,
-                      binds: str = "") -> None:
+                      binds: str = "", disks: str = "") -> None:
     """What each daemon runs first in its host: set the hostname, mount node-local
     scratch folders, and mount the cgroup
     hierarchies as the root namespace has them (`ip netns exec` mounts a fresh /sys
@@ -240,6 +247,8 @@ def write_boot_script(root: Path, node_scratch: str = "", pyxis: bool = False,
                   f'mount --bind "{node_scratch}/$(hostname)" /var/tmp']),
               *(boot_lines(root) if pyxis else []),
               *bind_lines(binds),
+              *(f'mount -t tmpfs -o mode=0755 tmpfs "{folder}"'
+                for folder in filter(None, disks.split(","))),
               f'if [ -f "{cpuinfo}$(hostname)" ]; then',
               f'  mount --bind "{cpuinfo}$(hostname)" /proc/cpuinfo',
               "fi",

@@ -13,15 +13,24 @@ from imgpipe.base.units import human_bytes, parse_size
 from imgpipe.commands.shared.wiring import storage
 from imgpipe.enroot.cache.layout import audit
 from imgpipe.enroot.cache.storage import Storage
-from imgpipe.enroot.cache.uses import Entry, Pruned, entries, prune
+from imgpipe.enroot.cache.uses import (
+    Entry,
+    Pruned,
+    entries,
+    prune,
+    unreadable_line,
+    unreadable_private,
+)
 
 __all__ = ["Entry", "Pruned", "list_cache", "prune_after_conversion", "prune_cache"]
 
 
-def list_cache(settings: Settings) -> tuple[list[Entry], list[str]]:
-    """Every squashfs file and blob (size, last use, users) and every unsafe thing found."""
+def list_cache(settings: Settings) -> tuple[list[Entry], list[str], str | None]:
+    """Every squashfs file and blob (size, last use, users), every unsafe thing found, and a
+    line for the private entries this account cannot read (None: it saw them all)."""
     cache = storage(settings)
-    return entries(cache), audit(cache)
+    unreadable = unreadable_private(cache)
+    return entries(cache), audit(cache), unreadable_line(unreadable) if unreadable else None
 
 
 def prune_cache(settings: Settings, max_size: int | None, unused_for_s: float | None,

@@ -19,6 +19,8 @@ Imports go down:
                     ``--rollback`` puts back
     noderunnable    whether a job user can run a node's importer: its way, its interpreter,
                     the Python its venv runs (RHEL 9's python3 is 3.9)
+    nodeboot        the node-local squashfs folder: the boot unit ``--apply`` writes, and
+                    ``--make-cache``
 
     nccl            ``imgpipe nccl check``: a log judged against a profile (and the site's
                     profile found by name)

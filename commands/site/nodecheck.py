@@ -29,6 +29,7 @@ from imgpipe.base.errors import ConfigError
 from imgpipe.base.files import atomic_write
 from imgpipe.base.mounts import filesystem_type, is_shared_type
 from imgpipe.commands.site.nodebackup import Backup, walk_folder
+from imgpipe.commands.site.nodeboot import NODE_LOCAL, UNIT, WANTS, make_cache, unit_text
 from imgpipe.commands.site.noderunnable import python_problem, runnable_by_others
 from imgpipe.enroot.nodeconfig import (
     CLEANUP_PATH,
@@ -162,8 +163,30 @@ def check_node(settings: Settings, plan: NodePlan = NodePlan()) -> NodeCheck:
     pyxis = detect_pyxis(tuple(str(_under(root, c)) for c in where))
     findings = [_site_config(root, site_config), *_ca_file(settings, root),
                 _importer_link(plan), _plugstack(plan, pyxis, plugstack[0])]
+    findings += _boot_unit(settings, plan)
     findings += _enroot_conf(settings, root)
     return NodeCheck(root, pyxis, findings, plugstack)
+
+
+def _boot_unit(settings: Settings, plan: NodePlan) -> list[Finding]:
+    """The unit that makes a node-local squashfs folder at each boot (nodeboot), where images
+    reach the nodes one by one; none for a shared folder."""
+    distribution = settings.enroot.distribution
+    if distribution not in NODE_LOCAL:
+        return []
+    folder = str(settings.path(settings.outputs.squashfs_dir))
+    wanted = unit_text(importer_target(plan).parent / "imgpipe", folder, distribution)
+    unit, link = _under(plan.root, UNIT), _under(plan.root, WANTS)
+    current = unit.read_text(errors="replace") if unit.is_file() else None
+    linked = link.is_symlink() and os.readlink(link) == UNIT
+    if current == wanted and linked:
+        return [Finding(UNIT, "ok", True)]
+    start = next((f"- {line}" for line in (current or "").splitlines()
+                  if line.startswith("ExecStart=")), None)
+    return [Finding(UNIT, "missing" if current is None else "differs", True, [
+        *([start] if start and current != wanted else []),
+        f"+ ExecStart={importer_target(plan).parent / 'imgpipe'} node-config --make-cache "
+        f"{folder}  (the node-local folder at each boot, before slurmd; enabled: {WANTS})"])]
 
 
 def _site_config(root: Path, source: Path | None) -> Finding:
@@ -256,6 +279,29 @@ def _plugstack(plan: NodePlan, pyxis: tuple[str, Version] | None, plugstack: str
                    "leave it out: the recipes then pin squashfs paths "
                    "(enroot.pyxis_importer: false; imgpipe convert on the login node), and "
                    "Pyxis imports as before", "importer")
+
+
+def _write_unit(settings: Settings, plan: NodePlan, backup: Backup) -> list[str]:
+    """The boot unit and its wants link written; on the node itself, the folder made now
+    too (the unit makes it at each later boot)."""
+    unit, link = _under(plan.root, UNIT), _under(plan.root, WANTS)
+    folder = str(settings.path(settings.outputs.squashfs_dir))
+    done = backup.keep(unit)
+    atomic_write(unit, unit_text(importer_target(plan).parent / "imgpipe", folder,
+                                 settings.enroot.distribution).encode(), mode=0o644)
+    done.append(f"wrote {unit}")
+    if not (link.is_symlink() and os.readlink(link) == UNIT):
+        walk_folder(link.parent)
+        done += backup.keep(link)
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(UNIT, link)
+        done.append(f"linked {link} -> {UNIT} (enabled at boot)")
+    if plan.root == Path("/"):
+        made, said, _ = make_cache(settings, folder, None)
+        done += [f"{made}: {line}" for line in said] or [f"{made}: made already"]
+    return done
 
 
 def _replace_line(text: str, old: str, new: str) -> str:
@@ -374,6 +420,8 @@ def apply_node(settings: Settings, plan: NodePlan = NodePlan()) -> list[str]:
                 target.unlink()
             os.symlink(importer_target(plan), target)
             done.append(f"linked {target} -> {importer_target(plan)}")
+        elif finding.file == UNIT:
+            done += _write_unit(settings, plan, backup)
         elif finding.accept == "pyxis":
             done += backup.keep(target)
             old = target.read_text() if target.is_file() else ""

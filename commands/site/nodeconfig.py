@@ -3,12 +3,8 @@ install lines, by the nodes' Pyxis and Enroot), and setting the shared cache up.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 from imgpipe.base.config import Settings
-from imgpipe.commands.shared.wiring import storage
-from imgpipe.enroot.cache.layout import make_layout
+from imgpipe.commands.site.nodeboot import make_cache
 from imgpipe.enroot.nodeconfig import (
     ACCEPTED_NAMES,
     PYXIS_SO_CANDIDATES,
@@ -37,13 +33,3 @@ def node_setup(settings: Settings, pyxis_version: Version | None, pyxis_plugin: 
     return render(settings, importer or importer_path(), version, plugin,
                   enroot_path or enroot_location(), squashfuse=squashfuse, accept=accept,
                   plugstack=(plugstack, "--plugstack") if plugstack else find_plugstack())
-
-
-def make_cache(settings: Settings, folder: str, group: str | None
-               ) -> tuple[Path, list[str], str]:
-    """Set the shared squashfs folder up (``folder``, default outputs.squashfs_dir): its
-    root, what was done (a line each), and who owns its layout."""
-    # As written, never resolved: a link on the way is refused, not followed (rootpath).
-    cache = storage(settings, Path(os.path.abspath(folder)) if folder else None)
-    done = make_layout(cache, group)
-    return cache.root, done, cache.trust.admin_names()

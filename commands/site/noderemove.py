@@ -176,8 +176,9 @@ def _empty_cache(settings: Settings, root: Path, removal: Removal) -> None:
     kind = filesystem_type(folder)
     if is_shared_type(kind):
         removal.kept.append(f"{folder}: on {kind}, every node's cache: empty it once, from "
-                            "one host (imgpipe cache prune --max-size 0), when no node runs "
-                            "imgpipe")
+                            "one host (imgpipe cache prune --max-size 0, as root, or as "
+                            "enroot.cache_owner on root-squashed storage: users' private "
+                            "entries then go by their own prune), when no node runs imgpipe")
         return
     try:
         pruned = prune(Storage(folder, CacheTrust.of(settings.enroot.cache_owner)), max_size=0)

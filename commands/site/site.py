@@ -50,6 +50,7 @@ class SiteAnswers:
     distribution: str | None = None  # None: shared on a cluster file system, else asked
     pyxis_importer: bool | None = None  # the nodes' Pyxis line has importer=
     cache_owner: str | None = None  # the cache's service account (root squash: root cannot write)
+    credentials: str | None = None  # where each user reads a registry login: netrc, docker-config
     notes: list[str] = field(default_factory=list)
 
 
@@ -69,6 +70,12 @@ def _registry(answers: SiteAnswers) -> dict[str, object]:
         if not answers.ca_file.is_file():
             raise ConfigError(f"--registry-ca {answers.ca_file}: no such file")
         values["ca_file"] = str(answers.ca_file.resolve())
+    if answers.credentials:
+        if answers.plain_http:
+            raise ConfigError(f"--credentials {answers.credentials} with --plain-http: every "
+                              "user's registry password would cross the network in clear",
+                              hint="give the registry TLS (--registry-ca FILE)")
+        values["credentials"] = {"source": answers.credentials}
     return values
 
 

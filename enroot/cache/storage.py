@@ -179,7 +179,8 @@ class Storage:
                         raise ConvertError(
                             f"the shared squashfs directory {self.root} is not set up "
                             f"({folder.relative_to(self.root)} is missing)",
-                            hint=f"as root: imgpipe node-config --make-cache {self.root}")
+                            hint="as root (root-squashed storage: as enroot.cache_owner): "
+                            f"imgpipe node-config --make-cache {self.root}")
                     if make_shared_dir(folder, mode):
                         continue
                 check_layout_folder(folder, self.trust, shared)
@@ -201,7 +202,9 @@ class Storage:
             return
         if why is not None:
             raise ConvertError(f"{version_file}: {why}",
-                               hint=f"as root: imgpipe node-config --make-cache {self.root}")
+                               hint="as root (root-squashed storage: as "
+                               f"enroot.cache_owner): imgpipe node-config --make-cache "
+                               f"{self.root}")
         found = read_regular(version_file).decode(errors="replace").strip()
         if found != LAYOUT_VERSION:
             raise ConvertError(f"{self.root} holds a cache of layout {shown(found)}, "

@@ -31,6 +31,8 @@ from imgpipe.enroot.cache.trust import ROOT_UID, check_layout_folder, user_name
 from imgpipe.enroot.errors import ConvertError
 
 SQSH_DIGEST = re.compile(r"\+sha256-(?P<hex>[0-9a-f]{64})\+")
+PRIVATE = re.compile(r"u[0-9]+")  # tmp/u<uid>: a user's private folder
+HEX = re.compile(r"[0-9a-f]{64}")  # a blob's name
 @dataclass
 class Entry:
     kind: str  # squashfs | blob
@@ -48,15 +50,28 @@ class Pruned:
     freed: int
     total_after: int
     not_yours: list[Entry] = field(default_factory=list)  # other users' files: left alone
+    unreadable: list[Path] = field(default_factory=list)  # private folders not seen
 
     def skipped_line(self) -> str | None:
-        """One line for what this user could not remove, or None."""
-        if not self.not_yours:
-            return None
-        owners = sorted({user_name(entry.owner) for entry in self.not_yours})
-        size = human_bytes(sum(entry.size for entry in self.not_yours))
-        return (f"left {len(self.not_yours)} entries ({size}) that other users own "
-                f"({', '.join(owners)}): prune them as their owner or as root")
+        """One line for what this user could not remove or see, or None."""
+        said = []
+        if self.not_yours:
+            owners = sorted({user_name(entry.owner) for entry in self.not_yours})
+            size = human_bytes(sum(entry.size for entry in self.not_yours))
+            said.append(f"left {len(self.not_yours)} entries ({size}) that other users own "
+                        f"({', '.join(owners)}): prune them as their owner or as root")
+        if self.unreadable:
+            said.append(unreadable_line(self.unreadable))
+        return "; ".join(said) or None
+
+
+def unreadable_line(folders: list[Path]) -> str:
+    """What a listing or a prune could not see: other users' private entries."""
+    owners = sorted({user_name(int(folder.name[1:])) for folder in folders})
+    return (f"{len(folders)} users' private entries (.imgpipe/tmp/u<uid>: images from a registry "
+            f"that asked for a login) are not readable by this account ({', '.join(owners)}): "
+            "prune as root, or as each user (their own jobs prune theirs under "
+            "enroot.cache_max_size)")
 
 
 def _markers(storage: Storage, squashfs: Path) -> list[Path]:
@@ -99,10 +114,42 @@ def release_use(marker: Path) -> None:
 
 
 def entries(storage: Storage) -> list[Entry]:
-    """Every squashfs file and blob of the cache, with size, last use and users."""
+    """Every squashfs file and blob of the cache, with size, last use and users: the shared
+    ones, and each user's private ones (``tmp/u<uid>``, an image whose registry asked for a
+    login) in the folders this account may read (its own; every one as root)."""
     storage.check_admin_path()
+    found = [*_squashfs_entries(storage, sorted(storage.root.glob("*.sqsh"))),
+             *_blob_entries(storage.blobs)]
+    for folder in private_folders(storage):
+        with contextlib.suppress(PermissionError, FileNotFoundError):
+            found += _squashfs_entries(storage, sorted(folder.glob("*.sqsh")))
+            found += _blob_entries(folder, hex_names=True)
+    return found
+
+
+def private_folders(storage: Storage) -> list[Path]:
+    """Every user's private folder (``tmp/u<uid>``, a folder that user owns), readable or
+    not by this account."""
     found = []
-    for path in sorted(storage.root.glob("*.sqsh")):
+    with contextlib.suppress(FileNotFoundError, PermissionError):
+        for folder in sorted(storage.tmp.iterdir()):
+            if not PRIVATE.fullmatch(folder.name):
+                continue
+            info = folder.lstat()
+            if stat.S_ISDIR(info.st_mode) and info.st_uid == int(folder.name[1:]):
+                found.append(folder)
+    return found
+
+
+def unreadable_private(storage: Storage) -> list[Path]:
+    """The private folders this account cannot read (another user's, unless root)."""
+    return [folder for folder in private_folders(storage) if not os.access(folder, os.R_OK
+                                                                           | os.X_OK)]
+
+
+def _squashfs_entries(storage: Storage, paths: list[Path]) -> list[Entry]:
+    found = []
+    for path in paths:
         info = path.lstat()
         if not stat.S_ISREG(info.st_mode):
             continue
@@ -113,14 +160,21 @@ def entries(storage: Storage) -> list[Entry]:
                 last = max(last, marker.lstat().st_mtime)
                 users.append(marker.name[len(path.name) + 1:])  # host~uid~job~step
         found.append(Entry("squashfs", path, info.st_size, last, users, info.st_uid))
-    if storage.blobs.is_dir():
-        for path in sorted(storage.blobs.iterdir()):
-            if path.name.startswith("."):
-                continue
-            info = path.lstat()
-            if stat.S_ISREG(info.st_mode):
-                found.append(Entry("blob", path, info.st_size, info.st_mtime,
-                                   owner=info.st_uid))
+    return found
+
+
+def _blob_entries(folder: Path, hex_names: bool = False) -> list[Entry]:
+    """The blobs in ``folder`` (a private folder: only the files named by a digest's hex;
+    partial downloads, configs and work areas are not entries)."""
+    found: list[Entry] = []
+    if not folder.is_dir():
+        return found
+    for path in sorted(folder.iterdir()):
+        if path.name.startswith(".") or hex_names and not HEX.fullmatch(path.name):
+            continue
+        info = path.lstat()
+        if stat.S_ISREG(info.st_mode):
+            found.append(Entry("blob", path, info.st_size, info.st_mtime, owner=info.st_uid))
     return found
 
 
@@ -193,7 +247,8 @@ def prune(storage: Storage, max_size: int | None = None, unused_for_s: float | N
         elif gone:
             removed.append(entry)
             total -= entry.size
-    return Pruned(removed, kept, sum(e.size for e in removed), total, not_yours)
+    return Pruned(removed, kept, sum(e.size for e in removed), total, not_yours,
+                  unreadable_private(storage))
 
 
 def _may_remove(storage: Storage, entry: Entry) -> bool:

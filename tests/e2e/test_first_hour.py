@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.cluster import USERS, owned_by, shared_folder
 from tests.nodeimage import node_image, sums
@@ -63,9 +64,13 @@ def site_etc() -> Iterator[None]:
             kept.rename(SITE_CONFIG)
 
 
-def _node_venv(work: Path) -> Path:
-    """imgpipe as the guide installs it on a node: `./setup.sh node-wheels` in the checkout,
-    then a venv of the system Python, from those wheels alone, every user can run."""
+@pytest.fixture(scope="module")
+def node_install() -> tuple[Path, Path]:
+    """imgpipe as the guide installs it on a node: `./setup.sh node-wheels` in a checkout,
+    then a venv of the system Python, from those wheels alone, every user can run.  The
+    checkout and the venv (shared by this file's tests: each takes its own copy of the
+    checkout as the user's clone)."""
+    work = shared_folder("imgpipe-first-hour-install-")
     source = work / "source"
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
         "build", ".venv", ".git", "__pycache__", "*.egg-info", "dist"))
@@ -79,7 +84,34 @@ def _node_venv(work: Path) -> Path:
                     str(source / "dist" / "nodes" / "x86_64"), "imgpipe"], check=True,
                    capture_output=True, timeout=900)
     subprocess.run(["chmod", "-R", "a+rX", str(work)], check=True)
-    return venv
+    return source, venv
+
+
+def _clone(source: Path, work: Path) -> Path:
+    """The user's own clone (the catalog, and the lock render keeps), alice's."""
+    checkout = work / "source"
+    shutil.copytree(source, checkout, ignore=shutil.ignore_patterns("dist"))
+    subprocess.run(["chown", "-R", f"{ALICE}:", str(checkout)], check=True)
+    return checkout
+
+
+def _site_node(work: Path) -> Path:
+    """The site's node image (its own files), with the real Pyxis and Enroot it loads."""
+    node = work / "node"
+    node_image(node, SITE_FILES, PLUGIN)
+    shutil.copyfile(f"/{PLUGIN}", node / PLUGIN)  # the real Pyxis the node loads
+    local_bin = node / "usr/local/bin"  # the node's Enroot, where Pyxis's cleanup finds it
+    local_bin.mkdir(parents=True, exist_ok=True)
+    for program in Path("/usr/local/bin").glob("enroot*"):
+        shutil.copy2(program, local_bin / program.name)
+    return node
+
+
+def _node_opt(work: Path, venv: Path) -> Path:
+    opt = work / "node-opt"  # the node's /opt: imgpipe where the guide installs it
+    opt.mkdir()
+    (opt / "imgpipe").symlink_to(venv)
+    return opt
 
 
 @pytest.fixture
@@ -90,11 +122,12 @@ def site_cluster(registry_server) -> Iterator:
 
     started: list = []
 
-    def start(node: Path, opt: Path):
+    def start(node: Path, opt: Path, **spec_values):
         spec = SandboxSpec(shared_folder("imgpipe-site-cluster-"), name="imgpf",
                            subnet="10.213.22", cpus=16, gpus=16,
                            plugstack=node / "etc/slurm/plugstack.conf", pyxis=True,
-                           node_binds=f"{node}/usr/local/bin:/usr/local/bin,{opt}:/opt")
+                           node_binds=f"{node}/usr/local/bin:/usr/local/bin,{opt}:/opt",
+                           **spec_values)
         context = running(spec, registry_storage=registry_server.root / "data")
         sandbox = context.__enter__()
         started.append(context)
@@ -115,23 +148,14 @@ def _enroot_layers(cluster) -> str:
 
 
 def test_the_first_hour_runs_as_written_and_leaves_the_sites_files(site_cluster, bert_cpu,
-                                                                   site_etc) -> None:
+                                                                   site_etc, node_install
+                                                                   ) -> None:
     work = shared_folder("imgpipe-first-hour-")
-    node = work / "node"
-    node_image(node, SITE_FILES, PLUGIN)
-    shutil.copyfile(f"/{PLUGIN}", node / PLUGIN)  # the real Pyxis the node loads
-    local_bin = node / "usr/local/bin"  # the node's Enroot, where Pyxis's cleanup finds it
-    local_bin.mkdir(parents=True, exist_ok=True)
-    for program in Path("/usr/local/bin").glob("enroot*"):
-        shutil.copy2(program, local_bin / program.name)
+    node = _site_node(work)
     before = sums(node)
-    venv = _node_venv(work)
-    opt = work / "node-opt"  # the node's /opt: imgpipe where the guide installs it
-    opt.mkdir()
-    (opt / "imgpipe").symlink_to(venv)
-    cluster = site_cluster(node, opt)
-    checkout = work / "source"  # the user's own clone: the catalog, and the lock render keeps
-    subprocess.run(["chown", "-R", f"{ALICE}:", str(checkout)], check=True)
+    source, venv = node_install
+    cluster = site_cluster(node, _node_opt(work, venv))
+    checkout = _clone(source, work)
     data = work / "lustre-bert"
     owned_by(ALICE, data, data / "results")
     env = {"REGISTRY": "head:5000", "REGISTRY_CA": "", "SQUASHFS": str(work / "squashfs"),
@@ -195,3 +219,117 @@ def test_the_first_hour_runs_as_written_and_leaves_the_sites_files(site_cluster,
         outputs[0], outputs
     layers = _enroot_layers(cluster)
     assert all(int(count) > 0 for count in layers.split()[1::2]), layers  # Enroot imported
+
+
+PASSWORD = "first-hour-Pa55word"
+
+
+def _tls_and_logins(work: Path) -> tuple[str, Path, Path]:
+    """The head registry's TLS (a certificate for the name "head", signed by the site's CA)
+    and its logins (alice alone has an account): (CERT:KEY, the CA, the htpasswd file)."""
+    import trustme
+
+    from tests import services
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("head")
+    cert.cert_chain_pems[0].write_to_path(str(work / "head.crt"))
+    cert.private_key_pem.write_to_path(str(work / "head.key"))
+    site_ca = work / "site-ca.crt"
+    ca.cert_pem.write_to_path(str(site_ca))
+    site_ca.chmod(0o644)
+    services.htpasswd_file(work / "htpasswd", ALICE, PASSWORD)
+    return f"{work / 'head.crt'}:{work / 'head.key'}", site_ca, work / "htpasswd"
+
+
+@pytest.fixture
+def alices_login() -> Iterator[Path]:
+    """Alice's own ~/.netrc (0600, hers) for the head registry, as she writes it; taken away
+    after."""
+    import pwd
+
+    home = Path(pwd.getpwnam(ALICE).pw_dir)
+    netrc = home / ".netrc"
+    assert not netrc.exists()
+    netrc.write_text(f"machine head login {ALICE} password {PASSWORD}\n")
+    netrc.chmod(0o600)
+    shutil.chown(netrc, ALICE, ALICE)
+    yield netrc
+    netrc.unlink(missing_ok=True)
+
+
+def test_the_first_hour_on_a_node_local_rack_with_a_registry_that_asks_for_logins(
+        site_cluster, bert_cpu, site_etc, node_install, alices_login) -> None:
+    """The same script on a rack whose nodes keep images on their own disks (a tmpfs each,
+    empty at every start), from a head registry with TLS and logins: site init writes the
+    CA and `credentials: netrc`; step 3 installs the unit that makes the node-local folder at
+    boot (here: its ExecStart run on each node as root, as the boot would); alice's job reads
+    the registry with her own login, once, and every node runs the NCCL check from its own
+    copy; bob, who has no login, ends in one line that says so."""
+    work = shared_folder("imgpipe-first-hour-local-")
+    node = _site_node(work)
+    tls, site_ca, htpasswd = _tls_and_logins(work)
+    (node / site_ca.relative_to("/")).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(site_ca, node / site_ca.relative_to("/"))  # the CA, where the node image has it
+    disks = work / "nvme"  # each node's own disk; the login node sees a plain folder
+    source, venv = node_install
+    cluster = site_cluster(node, _node_opt(work, venv), compute_nodes=4, node_disks=str(disks),
+                           registry_tls=tls, registry_htpasswd=str(htpasswd))
+    checkout = _clone(source, work)
+    data = work / "lustre-bert"
+    owned_by(ALICE, data, data / "results")
+    squashfs = disks / "imgpipe" / "squashfs"
+    env = {"REGISTRY": "head:5000", "REGISTRY_CA": str(site_ca), "CREDENTIALS": "netrc",
+           "SQUASHFS": str(squashfs), "DISTRIBUTION": "broadcast", "PARTITION": "debug",
+           "DATA": str(data), "PROFILE_FROM": "local",
+           "NODE_SHAPE": f"--cores-per-node {os.cpu_count()}", "FLAVOR": "cpu",
+           "IMAGES": "", "RUNTIME": "pyxis", "NODES": "4", "TASKS": "1",
+           "ACCEPT": "importer", "NODE_ROOT": str(node), "IMGPIPE": str(venv / "bin/imgpipe"),
+           "AS_USER": ALICE, "CHECKOUT": str(checkout),
+           "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+    script = str(checkout / "docs" / "first-hour.sh")
+    done = cluster.run(["bash", script], env={**env, "STEPS": "1 2 3"}, timeout=600, cwd="/tmp")
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said[-4000:]
+    site = yaml.safe_load((SITE_CONFIG / "imgpipe.yaml").read_text())
+    assert site["registry"]["scheme"] == "https" and site["registry"]["ca_file"] == str(site_ca)
+    assert site["registry"]["credentials"] == {"source": "netrc"}
+    assert site["enroot"]["distribution"] == "broadcast"
+    assert "registry.ca_file" not in said or "which this node lacks" not in said
+    unit = (node / "etc/systemd/system/imgpipe-cache.service").read_text()
+    start = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
+    assert start == f"ExecStart=/opt/imgpipe/bin/imgpipe node-config --make-cache {squashfs}"
+    assert os.readlink(node / "etc/systemd/system/multi-user.target.wants/"
+                       "imgpipe-cache.service") == "/etc/systemd/system/imgpipe-cache.service"
+
+    # the boot: each node's disk is empty until the unit makes the folder
+    booted = cluster.run(["srun", "-N4", "--ntasks-per-node=1", "-p", "debug",
+                          *start.removeprefix("ExecStart=").split()], timeout=180, cwd="/tmp")
+    assert booted.returncode == 0, booted.stdout + booted.stderr
+    done = cluster.run(["bash", script], env={**env, "STEPS": "4"}, timeout=900, cwd="/tmp")
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said[-4000:]
+    assert "needs a registry login" not in said
+    assert "PASS: all_reduce on 4 rank(s) / 4 node(s)" in said, said[-4000:]
+    [log] = data.rglob("nccl-check-*.out")
+    assert "pyxis: imported docker image: head:5000#imgpipe/bert@sha256:" in log.read_text()
+    copies = cluster.run(["srun", "-N4", "--ntasks-per-node=1", "/bin/sh", "-c",
+                          f'echo "$(hostname) $(find {squashfs} -name "*.sqsh" | wc -l)"'],
+                         user=ALICE, timeout=120, cwd="/tmp")
+    assert copies.returncode == 0, copies.stderr
+    counts = dict(line.split() for line in copies.stdout.splitlines())
+    assert sorted(counts) == ["node1", "node2", "node3", "node4"], copies.stdout
+    assert all(int(count) >= 1 for count in counts.values()), counts  # each node its own
+    assert not list(squashfs.glob("**/*.sqsh"))  # the login node's folder: nothing
+
+    # bob has no login: his job ends in one line that says so, none of alice's copies his
+    recipes, bob = data / "first-hour-recipes", work / "bob"
+    owned_by(USERS[1], bob)
+    (data / "results").chmod(0o1777)  # the project's results folder, shared with bob
+    bobs = cluster.run(["sbatch", "--parsable", "--wait", "-N4", "--ntasks-per-node=1",
+                        "--output", f"{bob}/nccl-%j.out", "--chdir", str(bob),
+                        str(recipes / "nccl.sub")], user=USERS[1], timeout=600, cwd="/tmp")
+    [bob_log] = bob.glob("nccl-*.out")
+    told = bob_log.read_text()
+    assert bobs.returncode != 0, told[-3000:]
+    assert "login" in told, told[-3000:]

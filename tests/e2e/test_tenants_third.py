@@ -334,6 +334,45 @@ def test_a_private_images_bytes_are_kept_for_the_user_who_pulled_it(accounts,
     assert secret.decode().strip() not in peek.stdout
 
 
+def _imgpipe_as(accounts, user: str, config: Path, *argv: str
+                ) -> subprocess.CompletedProcess[str]:
+    imgpipe = str(Path(str(accounts["bin"])) / "imgpipe")
+    return subprocess.run(["runuser", "-u", user, "--", "env", f"IMGPIPE_CONFIG={config}",
+                           f"HOME={pwd.getpwnam(user).pw_dir}", imgpipe, *argv],
+                          capture_output=True, text=True, timeout=120, cwd="/tmp")
+
+
+def test_private_entries_are_listed_and_pruned(accounts, private_site) -> None:
+    """Under a registry that asks everyone for a login every entry is private: `cache ls`
+    and `cache prune` see them (before, they looked only at the shared names, and a cache of
+    private entries grew past any size).  Alice sees and prunes her own; bob is told whose
+    he cannot read; root prunes them all."""
+    server = private_site["server"]
+    config: Path = private_site["config"]  # type: ignore[assignment]
+    layer = services.tar_layer({"srv/data": os.urandom(4096), "etc/os-release": b"ID=p\n"})
+    digest = services.push_image(private_site["session"], server.url, "private/pruned", "v1",
+                                 [layer])
+    got = _import_as(accounts, ALICE, config, "get",
+                     f"docker://127.0.0.1:{server.port}#private/pruned@{digest}")
+    assert got.returncode == 0, got.stderr
+    entry = Path(got.stdout.strip())
+    released = _import_as(accounts, ALICE, config, "release")  # the step ended
+    assert released.returncode == 0, released.stderr
+    listed = _imgpipe_as(accounts, ALICE, config, "cache", "ls")
+    assert listed.returncode == 0, listed.stderr
+    assert f"u{accounts['uid'][ALICE]}/{entry.name}" in listed.stdout
+    theirs = _imgpipe_as(accounts, BOB, config, "cache", "ls")
+    assert theirs.returncode == 0, theirs.stderr
+    assert "private entries" in theirs.stdout and ALICE in theirs.stdout, theirs.stdout
+    assert entry.name not in theirs.stdout
+    pruned = subprocess.run([str(ROOT_IMGPIPE), "--config", str(config), "cache", "prune",
+                             "--max-size", "0"], capture_output=True, text=True, timeout=120)
+    assert pruned.returncode == 0, pruned.stderr
+    assert f"removed squashfs {entry.name}" in pruned.stdout, pruned.stdout
+    assert not entry.exists()
+    assert not [p for p in entry.parent.iterdir() if len(p.name) == 64]  # her blobs too
+
+
 def test_take_keeps_a_verified_copy_when_another_user_planted_its_entry_name(
         accounts, upstream) -> None:
     """threat-model: "a planted entry name: the copy is kept in the user's own folder".
