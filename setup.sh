@@ -96,8 +96,31 @@ install_packages() {
   fi
 }
 
+# The first of PYTHON, python3, python3.12, python3.11 that is 3.11 or newer (RHEL 9's
+# python3 is 3.9); empty when none is.
+python_311() {
+  local candidate
+  for candidate in ${PYTHON:-python3 python3.12 python3.11}; do
+    if "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+      echo "$candidate"
+      return
+    fi
+  done
+}
+
 new_venv() {
-  local python=${PYTHON:-python3}
+  local python
+  python=$(python_311)
+  if [ -z "$python" ]; then
+    echo "setup.sh: no Python 3.11 or newer (${PYTHON:-python3}: $(${PYTHON:-python3} \
+--version 2>&1)): install one (RHEL: dnf install python3.11) or name it with PYTHON=" >&2
+    exit 2
+  fi
+  if [ -x .venv/bin/python ] && ! .venv/bin/python -c \
+      'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    log "replacing .venv: made with $(.venv/bin/python --version 2>&1), imgpipe needs 3.11+"
+    rm -rf .venv
+  fi
   if [ ! -x .venv/bin/python ]; then
     log "creating .venv with $($python --version)"
     "$python" -m venv .venv
@@ -225,9 +248,11 @@ case "$mode" in
       # Not Debian's: its packages are the admin's to install (RHEL/Rocky: dnf install
       # python3.11 squashfs-tools git, Docker CE from Docker's repository, and tar2sqfs from
       # squashfs-tools-ng where the host converts); then the venv, from PYTHON.
-      log "no dpkg here: install Docker (BuildKit), squashfs-tools, git and Python 3.11+" \
-        "yourself (RHEL: dnf install python3.11 squashfs-tools git; Docker CE); making .venv" \
-        "with PYTHON=${PYTHON:-python3}"
+      log "no dpkg here: install Docker (BuildKit), squashfs-tools 4.5+, squashfs-tools-ng" \
+        "(tar2sqfs, for push --squashfs), git and Python 3.11+ yourself (RHEL 9: dnf install" \
+        "python3.11 git; Docker CE from Docker's repository; squashfs-tools-ng from EPEL;" \
+        "RHEL's squashfs-tools is 4.4: mksquashfs 4.5+ from source or push with zstd, which" \
+        "tar2sqfs makes); making .venv with the first Python 3.11+ found"
       make_build_venv
       log "done: .venv/bin/imgpipe doctor (the engine must run: systemctl enable --now docker)"
       exit 0

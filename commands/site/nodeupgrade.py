@@ -26,7 +26,9 @@ from pathlib import Path
 from imgpipe.base import process
 from imgpipe.base.config import Settings
 from imgpipe.base.errors import ConfigError, ImgpipeError
+from imgpipe.base.files import atomic_write
 from imgpipe.commands.site.nodebackup import Backup, walk_folder
+from imgpipe.commands.site.nodeboot import UNIT
 from imgpipe.commands.site.nodecheck import NodePlan, importer_target
 from imgpipe.commands.site.noderunnable import python_problem, runnable_by_others
 from imgpipe.enroot.nodeconfig import importer_path
@@ -75,8 +77,24 @@ def upgrade_node(settings: Settings, plan: NodePlan) -> list[str]:
     os.replace(swap, link)  # one rename: a step starting now runs the old or the new one
     done.append(f"linked {link} -> {target}" + (f" (was {old})" if old else ""))
     if old is not None:
+        done += _boot_unit(root, Path(old).parent.parent, plan.venv, backup)
         done.append(_still_running(Path(old).parent.parent))
     return done
+
+
+def _boot_unit(root: Path, old: Path, new: Path, backup: Backup) -> list[str]:
+    """imgpipe's boot unit (nodeboot) pointed at the new venv where it ran the old one."""
+    unit = _under(root, UNIT)
+    if unit.is_symlink() or not unit.is_file():
+        return []
+    text = unit.read_text()
+    before = f"ExecStart={old}/bin/imgpipe "
+    if before not in text:
+        return []
+    done = backup.keep(unit)
+    atomic_write(unit, text.replace(before, f"ExecStart={new}/bin/imgpipe ").encode(),
+                 mode=0o644)
+    return [*done, f"wrote {unit}: ExecStart runs {new}/bin/imgpipe (systemctl daemon-reload)"]
 
 
 def _same_layout(settings: Settings, root: Path, venv: Path) -> None:
@@ -126,7 +144,8 @@ def _still_running(venv: Path) -> str:
     if not running:
         return (f"nothing runs from {venv} now: remove it once nothing names it either (the "
                 "sudoers lines of the cache writer and the audit recorder, audit.recorder, "
-                "enroot.cache_writer, a boot unit's ExecStart: point them at the new venv)")
+                "enroot.cache_writer, a boot unit of the site's own: point them at the new "
+                "venv)")
     shown = ", ".join(map(str, running[:10])) + (" …" if len(running) > 10 else "")
     return (f"{len(running)} process(es) still run from {venv} (pids {shown}): they finish "
             "there; remove it once none does (the next step already runs the new one)")

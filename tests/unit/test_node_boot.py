@@ -98,3 +98,33 @@ def test_the_unit_the_admin_guide_shows_is_the_one_apply_writes(cli, tmp_path: P
     written = "".join(line for line in (root / UNIT).read_text().splitlines(keepends=True)
                       if not line.startswith("#"))
     assert written == shown
+
+
+def test_an_upgrade_points_the_unit_at_the_new_venv(cli, tmp_path: Path) -> None:
+    """The unit runs the venv the importer link names: --upgrade moves both, --rollback both
+    back (before, the unit kept naming the old venv, which the admin then removed)."""
+    import shutil
+
+    root = tmp_path / "node"
+    node_image(root, FILES, "usr/local/lib/slurm/spank_pyxis.so")
+    code, _, err = cli("node-config", "--apply", "--root", str(root), "--site-config",
+                       str(_local(cli)))
+    assert code == 0, err
+    new = root / "opt/imgpipe-2/bin"
+    new.mkdir(parents=True)
+    (new / "imgpipe-pyxis-importer").write_text("#!/opt/imgpipe-2/bin/python3\n")
+    (new / "python3").write_text("#!/bin/sh\necho 1\n")  # the layout version it reports
+    for name in ("imgpipe-pyxis-importer", "python3"):
+        (new / name).chmod(0o755)
+    (new / "python").symlink_to("python3")
+    (root / "bin").mkdir(exist_ok=True)
+    shutil.copy("/bin/sh", root / "bin/sh")
+    code, out, err = cli("node-config", "--upgrade", "--venv", "/opt/imgpipe-2", "--root",
+                         str(root))
+    assert code == 0, err
+    assert "ExecStart=/opt/imgpipe-2/bin/imgpipe node-config --make-cache " \
+        "/var/lib/imgpipe/squashfs\n" in (root / UNIT).read_text()
+    assert "systemctl daemon-reload" in out
+    code, _, err = cli("node-config", "--rollback", "--root", str(root))
+    assert code == 0, err
+    assert "ExecStart=/opt/imgpipe/bin/imgpipe node-config" in (root / UNIT).read_text()

@@ -73,3 +73,49 @@ def test_a_wrong_mode_is_one_line_and_installs_nothing(tmp_path: Path) -> None:
     done, calls = _run_setup(tmp_path, "build-host", "--grace")
     assert done.returncode == 2 and "usage:" in done.stderr
     assert "apt-get" not in calls
+
+
+def _without_dpkg(tmp_path: Path, pythons: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """build-host on a host with no dpkg (RHEL, Rocky): PATH holds only the tools it needs and
+    the Pythons given (name: the version each says)."""
+    checkout = tmp_path / "checkout"
+    checkout.mkdir(parents=True)
+    for name in ("setup.sh", "setup-peers.sh", "pyproject.toml"):
+        shutil.copy(ROOT / name, checkout / name)
+    tools = tmp_path / "bin"
+    tools.mkdir(parents=True)
+    for tool in ("id", "dirname", "rm", "cat", "mkdir"):
+        (tools / tool).symlink_to(shutil.which(tool) or f"/usr/bin/{tool}")
+    (tools / "apt-get").write_text("#!/bin/sh\necho apt-get was run >&2\nexit 1\n")
+    for name, version in pythons.items():
+        major, minor = version.split(".")[:2]
+        (tools / name).write_text(
+            "#!/bin/sh\n"
+            f'if [ "$1" = --version ]; then echo "Python {version}"; exit 0; fi\n'
+            f'if [ "$1" = -c ]; then exit {0 if (int(major), int(minor)) >= (3, 11) else 1}; fi\n'
+            'if [ "$1" = -m ]; then mkdir -p .venv/bin && printf "#!/bin/sh\\n" > '
+            '.venv/bin/python && chmod +x .venv/bin/python && touch '
+            '.venv/.imgpipe-build-host; exit 0; fi\n')
+        (tools / name).chmod(0o755)
+    (tools / "chmod").symlink_to(shutil.which("chmod") or "/bin/chmod")
+    (tools / "touch").symlink_to(shutil.which("touch") or "/usr/bin/touch")
+    (tools / "printf").symlink_to(shutil.which("printf") or "/usr/bin/printf")
+    return subprocess.run(["/bin/bash", str(checkout / "setup.sh"), "build-host"],
+                          capture_output=True, text=True, timeout=60, cwd=checkout,
+                          env={"PATH": str(tools)})
+
+
+def test_build_host_without_dpkg_needs_a_python_311_and_installs_no_package(tmp_path: Path
+                                                                              ) -> None:
+    """RHEL 9's python3 is 3.9: one line naming what to install, nothing made; with
+    python3.11 beside it, the venv is made from that one, and apt is never asked."""
+    done = _without_dpkg(tmp_path / "a", {"python3": "3.9.18"})
+    assert done.returncode == 2, done.stderr
+    assert "no Python 3.11 or newer" in done.stderr and "dnf install python3.11" in done.stderr
+    assert "apt-get was run" not in done.stderr
+    assert not (tmp_path / "a" / "checkout" / ".venv").exists()
+    done = _without_dpkg(tmp_path / "b", {"python3": "3.9.18", "python3.11": "3.11.7"})
+    assert done.returncode == 0, done.stderr
+    assert "no dpkg here" in done.stderr and "squashfs-tools-ng" in done.stderr
+    assert "creating .venv with Python 3.11.7" in done.stderr
+    assert "apt-get was run" not in done.stderr
