@@ -29,7 +29,8 @@
 #                     images are built under emulation).  Idempotent.
 #   ./setup.sh node-wheels   no root, no apt: imgpipe's wheel and every wheel it needs, for
 #                     x86 nodes (dist/nodes/x86_64) and Grace nodes (dist/nodes/aarch64),
-#                     CPython ${PYTHON_VERSION:-3.11}; a node installs them with
+#                     CPython ${PYTHON_VERSION:-3.11}, glibc ${NODE_GLIBC:-2.36} at most (RHEL 9:
+#                     NODE_GLIBC=2.34); a node installs them with
 #                     `pip install --no-index --find-links dist/nodes/$(uname -m) imgpipe`
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -196,6 +197,14 @@ static_checks() {
 # build host's pip configuration names): binary wheels only, checked to resolve offline.
 node_wheels() {
   local python=${PYTHON:-} version=${PYTHON_VERSION:-3.11} out=dist/nodes
+  # the nodes' glibc (ldd --version): wheels that need a newer one are never taken (RHEL 9:
+  # NODE_GLIBC=2.34)
+  local node_glibc=${NODE_GLIBC:-2.36}
+  if ! [[ $node_glibc =~ ^2\.(1[7-9]|[2-9][0-9])$ ]]; then
+    echo "setup.sh node-wheels: NODE_GLIBC=$node_glibc: say the nodes' glibc as 2.N," \
+      "N 17 or more (ldd --version on a node)" >&2
+    exit 2
+  fi
   if [ -z "$python" ]; then
     python=python3
     if [ -x .venv/bin/python ]; then python=.venv/bin/python; fi
@@ -208,12 +217,14 @@ node_wheels() {
   wheel=$(ls "$out.partial"/wheel/imgpipe-*.whl)
   for arch in x86_64 aarch64; do
     tags=()
-    for glibc in $(seq 17 36); do tags+=(--platform "manylinux_2_${glibc}_$arch"); done
+    for glibc in $(seq 17 "${node_glibc#2.}"); do
+      tags+=(--platform "manylinux_2_${glibc}_$arch")
+    done
     tags+=(--platform "manylinux2014_$arch")
     if [ "$arch" = x86_64 ]; then
       tags+=(--platform manylinux1_x86_64 --platform manylinux2010_x86_64)
     fi
-    log "downloading the wheels for $arch nodes (CPython $version)"
+    log "downloading the wheels for $arch nodes (CPython $version, glibc $node_glibc)"
     "$python" -m pip download -q --disable-pip-version-check --only-binary=:all: \
       --implementation cp --python-version "$version" "${tags[@]}" \
       -d "$out.partial/$arch" "$wheel"
