@@ -237,7 +237,8 @@ node_wheels() {
   rm -rf "$out.partial/wheel" "$out.partial/check" "$out"
   mv "$out.partial" "$out"
   log "done: $out/x86_64 and $out/aarch64; on a node: python3 -m venv /opt/imgpipe &&" \
-    "/opt/imgpipe/bin/pip install --no-index --find-links $out/\$(uname -m) imgpipe"
+    "/opt/imgpipe/bin/pip install --no-index --find-links $out/\$(uname -m) imgpipe" \
+    "(RHEL 9: python3.11 -m venv)"
 }
 
 # shellcheck source=setup-peers.sh

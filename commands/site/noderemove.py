@@ -6,9 +6,10 @@ Taken back, each file kept first as ``--apply`` keeps what it replaces (``nodeba
 put on the site's own Pyxis line (the rest of that line left byte for byte), the importer
 link, the site config ``/etc/imgpipe/imgpipe.yaml``, and the files the admin guide has a site
 add for imgpipe alone: ``/etc/sudoers.d`` files whose every rule runs an imgpipe program, the
-``imgpipe-*.service`` units (and their ``.wants``/``.requires`` links), ``/etc/logrotate.d/
-imgpipe``.  A node-local squashfs folder is emptied of every entry no job uses, then removed
-when nothing is left; what a running job still uses is kept and named.  Kept and said: a
+``imgpipe-*.service`` units (and their ``.wants``/``.requires`` links and drop-ins, and a
+unit's ``imgpipe-*.conf`` drop-in such as slurmd's), ``/etc/logrotate.d/imgpipe``.  A
+node-local squashfs folder is emptied of every entry no job uses, then removed when nothing
+is left; what a running job still uses is kept and named.  Kept and said: a
 shared squashfs folder (every node reads it), the venv the link named, the service account,
 the backups (for ``--rollback``), the audit log, a sudoers file that mixes imgpipe's rules
 with the site's.  Nothing of the site's own files changes but the lines imgpipe added.
@@ -144,7 +145,12 @@ def _units(root: Path) -> list[Path]:
     links = sorted(p for p in folder.glob("*.*/imgpipe-*.service")
                    if p.is_symlink() and p.name in names
                    and p.parent.suffix in (".wants", ".requires"))
-    return [*links, *units]
+    # drop-ins the guide names: slurmd.service.d/imgpipe-cache.conf (slurmd requires the
+    # node-local folder: left behind, slurmd would never start again), and any of imgpipe's
+    # own units' drop-ins
+    drop_ins = sorted({*folder.glob("*.service.d/imgpipe-*.conf"),
+                       *folder.glob("imgpipe-*.service.d/*.conf")})
+    return [*links, *(p for p in drop_ins if p.is_file() and not p.is_symlink()), *units]
 
 
 def _remove_sudoers(root: Path, backup: Backup, removal: Removal) -> None:

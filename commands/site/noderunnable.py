@@ -18,7 +18,8 @@ NEEDED = (3, 11)
 _VERSION = re.compile(r"^\s*(?:version|version_info)\s*=\s*(\d+)\.(\d+)", re.M)
 FIX = ("RHEL, Rocky or AlmaLinux 9: dnf install python3.11 (or python3.12, with wheels from "
        "PYTHON_VERSION=3.12 ./setup.sh node-wheels), then make the venv from it: python3.11 -m "
-       "venv {venv}; Debian 12 and Ubuntu 24.04: their python3 will do")
+       "venv {venv}, with wheels from NODE_GLIBC=2.34 ./setup.sh node-wheels; Debian 12 and "
+       "Ubuntu 24.04: their python3 will do")
 
 
 def venv_python_version(venv: Path) -> tuple[int, int] | None:

@@ -22,6 +22,7 @@ def _node(root: Path, pyxis_line: bool = True) -> dict[str, str]:
         "etc/slurm/plugstack.conf": "include /etc/slurm/plugstack.conf.d/*\n",
         "etc/enroot/enroot.conf": "ENROOT_RUNTIME_PATH /run/enroot/user-$(id -u)\n",
         "etc/sudoers.d/site": "%admins ALL=(ALL) ALL\n",
+        "etc/systemd/system/slurmd.service.d/site.conf": "[Service]\nLimitNOFILE=65536\n",
     }
     if pyxis_line:
         files["etc/slurm/plugstack.conf.d/pyxis.conf"] = f"# the site's\n{PYXIS}  # ours\n"
@@ -40,7 +41,10 @@ def _guide_files(root: Path) -> None:
                                    "/opt/imgpipe/bin/imgpipe-audit *\n",
             "etc/systemd/system/imgpipe-cache.service": "[Service]\nExecStart=/opt/imgpipe/bin/"
                                                         "imgpipe node-config --make-cache X\n",
-            "etc/logrotate.d/imgpipe": "/var/log/imgpipe/audit.jsonl { weekly }\n"}.items():
+            "etc/logrotate.d/imgpipe": "/var/log/imgpipe/audit.jsonl { weekly }\n",
+            # the guide's slurmd drop-in: left without the unit, slurmd would never start
+            "etc/systemd/system/slurmd.service.d/imgpipe-cache.conf":
+                "[Unit]\nRequires=imgpipe-cache.service\nAfter=imgpipe-cache.service\n"}.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
     (root / "usr/local/bin/imgpipe-cache-writer").symlink_to(
@@ -74,6 +78,7 @@ def test_remove_takes_back_every_step_and_rollback_puts_it_back(cli, tmp_path: P
     for gone in (LINK, "etc/imgpipe/imgpipe.yaml", "usr/local/bin/imgpipe-cache-writer",
                  "etc/sudoers.d/imgpipe",
                  "etc/systemd/system/imgpipe-cache.service", "etc/logrotate.d/imgpipe",
+                 "etc/systemd/system/slurmd.service.d/imgpipe-cache.conf",
                  "etc/systemd/system/multi-user.target.wants/imgpipe-cache.service"):
         assert not os.path.lexists(root / gone), gone
     import json
