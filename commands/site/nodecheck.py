@@ -215,8 +215,10 @@ def _ca_file(settings: Settings, root: Path) -> list[Finding]:
 def _importer_link(plan: NodePlan) -> Finding:
     link = _under(plan.root, importer_path())
     target, venv = importer_target(plan), importer_target(plan).parent.parent
-    why = runnable_by_others(plan.root, target) or python_problem(_under(plan.root, str(venv)),
-                                                                  str(venv))
+    # the venv's Python first: a venv of RHEL 9's 3.9 took no imgpipe, and its missing
+    # importer would hide why
+    why = python_problem(_under(plan.root, str(venv)), str(venv)) or runnable_by_others(
+        plan.root, target)
     if why is not None:
         return Finding(importer_path(), "conflict", True,
                        [f"  -> {target}, which a job user cannot run: {why}",

@@ -55,8 +55,8 @@ def upgrade_node(settings: Settings, plan: NodePlan) -> list[str]:
     if os.geteuid() != 0 and root == Path("/"):
         raise ConfigError("node-config --upgrade writes /usr/local/bin: run it as root")
     target = importer_target(plan)
-    why = runnable_by_others(root, target) or python_problem(_under(root, plan.venv),
-                                                             str(plan.venv))
+    why = python_problem(_under(root, plan.venv), str(plan.venv)) or runnable_by_others(
+        root, target)
     if why is not None:
         raise ConfigError(f"refused: a job user could not run {target}: {why}",
                           hint="install the new imgpipe where every user can run it (root's "
