@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from imgpipe.base.files import atomic_path
+from imgpipe.registry.errors import RegistryError
 
 SIDECAR_LIMIT = 1 << 20
 WRITE_EVERY_S = 1.0
@@ -123,3 +124,19 @@ class DoneRecord:
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
         self._unsaved = False
+
+
+def open_partial(partial: Path) -> tuple[int, bool]:
+    """Open (or create) this user's partial file without following a link: its fd, and
+    whether it was created by this call."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(partial, flags | os.O_CREAT | os.O_EXCL, 0o600), True
+    except FileExistsError:
+        fd = os.open(partial, flags)
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            os.close(fd)
+            raise RegistryError(f"{partial} is not this user's partial download",
+                                hint=f"remove {partial}") from None
+    return fd, False

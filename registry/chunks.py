@@ -11,8 +11,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from imgpipe.registry.transfer import READ_CHUNK
-
 __all__ = ["DEFAULT_CHUNK_SIZE", "MIN_CHUNK_SIZE", "MAX_CHUNK_SIZE", "MAX_CHUNKS", "Checked",
            "Verified", "ChunkHasher", "chunk_digests", "chunk_count", "own_chunk_size",
            "chunks_problem", "plan_chunks"]
@@ -20,6 +18,7 @@ __all__ = ["DEFAULT_CHUNK_SIZE", "MIN_CHUNK_SIZE", "MAX_CHUNK_SIZE", "MAX_CHUNKS
 # 16 MiB: a followed fetch (the broadcast's batch host) sends nothing of a chunk before it is
 # checked, so each node's copy ends one chunk's transfer after the fetch (issue #61: 64 MiB was
 # 2.7 s behind at 200 Mbit/s, 16 MiB is 0.7 s); a request still carries 2,000 times its cost.
+READ_CHUNK = 4 << 20  # bytes per read of a file or a response being hashed
 DEFAULT_CHUNK_SIZE = 16 << 20
 # A pusher's list of 64 KiB chunks (every digest right) made a 40 MB fetch 612 requests
 # instead of 2 and 6.8-8.4x slower.  At 8 MiB a request carries 128 times the bytes: its own

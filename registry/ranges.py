@@ -42,6 +42,7 @@ from imgpipe.registry.chunkrecord import (
     done_in,
     done_prefix,
     list_identity,
+    open_partial,
     read_record,
     sidecar_path,
 )
@@ -49,6 +50,7 @@ from imgpipe.registry.chunks import (  # the chunk names callers know from here 
     DEFAULT_CHUNK_SIZE,
     MAX_CHUNKS,
     MIN_CHUNK_SIZE,
+    READ_CHUNK,
     Checked,
     ChunkHasher,
     Verified,
@@ -60,7 +62,7 @@ from imgpipe.registry.chunks import (  # the chunk names callers know from here 
 )
 from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.errors import DigestMismatchError, RegistryError
-from imgpipe.registry.transfer import READ_CHUNK, fetch_resumable, open_partial
+from imgpipe.registry.transfer import fetch_resumable
 
 __all__ = ["Checked", "ChunkHasher", "DEFAULT_CHUNK_SIZE", "MAX_CHUNKS", "MIN_CHUNK_SIZE",
            "Verified", "chunk_count", "chunk_digests", "chunks_problem", "fetch_ranges",

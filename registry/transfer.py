@@ -17,7 +17,6 @@ import contextlib
 import hashlib
 import os
 import queue
-import stat
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,12 +25,13 @@ from urllib.parse import urljoin
 import requests
 
 from imgpipe.base.directio import ALIGN, DirectWriter
+from imgpipe.registry.chunkrecord import open_partial
+from imgpipe.registry.chunks import READ_CHUNK
 from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.errors import DigestMismatchError, RegistryError
 from imgpipe.registry.manifests import sha256_digest
 
 UPLOAD_CHUNK = 64 << 20  # bytes per PATCH: what one request holds in memory
-READ_CHUNK = 4 << 20
 
 
 def _location(client: RegistryClient, response: requests.Response) -> str:
@@ -90,22 +90,6 @@ def put_manifest(client: RegistryClient, repository: str, reference: str, raw: b
     client.request("PUT", f"/v2/{repository}/manifests/{reference}", ok={201}, data=raw,
                    headers={"Content-Type": media_type})
     return digest
-
-
-def open_partial(partial: Path) -> tuple[int, bool]:
-    """Open (or create) this user's partial file without following a link: its fd, and
-    whether it was created by this call."""
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        return os.open(partial, flags | os.O_CREAT | os.O_EXCL, 0o600), True
-    except FileExistsError:
-        fd = os.open(partial, flags)
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
-            os.close(fd)
-            raise RegistryError(f"{partial} is not this user's partial download",
-                                hint=f"remove {partial}") from None
-    return fd, False
 
 
 def _received(response: requests.Response, chunks: int = 8) -> Iterator[bytes]:

@@ -7,6 +7,8 @@ Imports go down:
     broadcast       ``broadcast``: one image onto every node of a job at once, where caches
                     are node-local (a chain of TCP connections that MPI sets up)
     batchfetch      the broadcast's fetch on the batch host, in a process of its own
+    nodesite        the settings a broadcast task reads before the chain starts (the fast
+                    reader's: no pydantic, no requests)
 
     fanout          ``stage`` and ``take`` around Slurm's sbcast, where caches are node-local
     foreign         another registry's image, imported as Pyxis does without an importer

@@ -13,7 +13,7 @@ from pathlib import Path
 from imgpipe.base.errors import ImgpipeError
 from imgpipe.commands.node.importer import get
 from imgpipe.enroot.published.relay import Prefix
-from imgpipe.registry.ranges import Checked
+from imgpipe.registry.chunks import Checked
 
 
 class BatchFetch:

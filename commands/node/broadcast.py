@@ -44,9 +44,8 @@ from imgpipe.base.errors import ImgpipeError
 from imgpipe.base.units import human_bytes
 from imgpipe.commands.node.audit import record
 from imgpipe.commands.node.batchfetch import BatchFetch
-from imgpipe.commands.node.fanout import node_settings, pinned_reference
 from imgpipe.commands.node.importer import fast_get, get, say
-from imgpipe.commands.shared.wiring import storage
+from imgpipe.commands.node.nodesite import node_site
 from imgpipe.enroot.cache.storage import Storage
 from imgpipe.enroot.published.chain import (
     ENDPOINT,
@@ -117,8 +116,8 @@ def broadcast(uri: str) -> Path:
     cannot start here (the recipes then stage with sbcast)."""
     # a crash inside MPI's native code names the Python line it came from in the job's output
     faulthandler.enable()
-    settings = node_settings()
-    ref = pinned_reference(uri, settings)
+    site = node_site()  # light: every task reads it before the chain can start
+    ref = site.pinned(uri)
     manifest = ref.digest or ""
     found = fast_get(uri, "broadcast")
     # The step's first task runs on the batch host and sends (MPI's rank 0 under srun):
@@ -136,10 +135,7 @@ def broadcast(uri: str) -> Path:
         if not root:  # not the sender after all: this node has fetched
             found, fetch = fetch.result(), None
     with contextlib.ExitStack() as held:
-        cache = storage(settings)
-        # a login registry's image is private; a receiver cannot ask the registry, so where
-        # the site has credentials every copy is kept as a private one (0600, own folder)
-        cache.private = settings.registry.credentials.source != "none"
+        cache = site.cache
         why = None if found is not None or root else _hold(held, cache, manifest, pins)
         taking = root or (found is None and why is None)
         team = world.Split(0 if taking else mpi.UNDEFINED, world.Get_rank())
@@ -153,9 +149,9 @@ def broadcast(uri: str) -> Path:
             if root and fetch is not None:
                 if team.Get_size() == 1:  # every other node holds it
                     return fetch.result()
-                return _send(mpi, team, fetch, pins, here, settings.registry.host)
+                return _send(mpi, team, fetch, pins, here, site.host)
             copy = _receive(mpi, team, cache, ref.repository, pins,
-                            settings.registry.host)
+                            site.host)
         except StalledError as exc:  # a node gone quiet or gone: the step ends, sbcast stages it
             say(f"{here}: {exc.message}: ending the broadcast")
             world.Abort(1)

@@ -179,7 +179,10 @@ def quick_settings(path: str | None) -> dict[str, Any] | None:
         return None
     root = Path(path).resolve().parent if path else Path.cwd()
     folder = Path(str(outputs.get("squashfs_dir", DEFAULT_SQUASHFS_DIR)))
-    credentials = (registry.get("credentials") or {}).get("source", "none")
+    login = registry.get("credentials") or {}
+    if not isinstance(login, dict):
+        return None
+    credentials = str(login.get("source", "none"))
     owner = enroot.get("cache_owner")
     if owner is not None and not isinstance(owner, str):
         return None
@@ -191,9 +194,13 @@ def quick_settings(path: str | None) -> dict[str, Any] | None:
         "mirrors": mirrors,
         "cache_owner": owner,
         "address": f"{registry.get('host', DEFAULT_HOST)}:{registry.get('port', DEFAULT_PORT)}",
+        "host": str(registry.get("host", DEFAULT_HOST)),
+        "credentials": credentials,
         "scheme": registry.get("scheme", DEFAULT_SCHEME),
         "plain": credentials == "none" and not registry.get("ca_file"),
         "squashfs_dir": (folder if folder.is_absolute() else root / folder).resolve(),
+        # as written (an admin account walks it and never resolves it: enroot.cache.rootpath)
+        "squashfs_dir_as_written": Path(os.path.abspath(root / folder)),
         "compression": enroot.get("compression")
         or ("lz4" if enroot.get("squashfuse") is True else "zstd"),
     }

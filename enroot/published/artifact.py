@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 import re
 import shutil
 from collections.abc import Callable
@@ -22,12 +21,10 @@ from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
 
-from imgpipe.base.files import atomic_path
 from imgpipe.base.terminal import shown
 from imgpipe.enroot.cache.storage import FORMAT, Storage
-from imgpipe.enroot.errors import ConvertError, NoSpaceError
-from imgpipe.enroot.flatten.rules import is_setid
-from imgpipe.enroot.published.inodes import entries, owners_and_xattrs
+from imgpipe.enroot.errors import NoSpaceError
+from imgpipe.enroot.published.contents import publish_partial
 from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.errors import DigestMismatchError, RegistryError
 from imgpipe.registry.manifests import Manifest
@@ -234,34 +231,6 @@ def partial_path(storage: Storage, blob: str) -> Path:
     return storage.partial_download(blob)
 
 
-def check_contents(path: Path, allowed_setuid: set[str] | None) -> int:
-    """Refuse a fetched squashfs holding what no conversion makes: files of an owner other
-    than root, extended attributes (file capabilities), device files, sockets, and (when
-    ``allowed_setuid`` is given: the image's layers' own) setuid or setgid files the layers
-    did not have.  All of it is read from the file's binary tables (``inodes``): no name can
-    make an entry read as another mode, and a table that does not parse refuses the file.
-    Returns the entry count."""
-    owners, has_xattrs = owners_and_xattrs(path)
-    if owners - {0}:
-        raise ConvertError(f"the published squashfs owns files by uid/gid "
-                           f"{', '.join(map(str, sorted(owners - {0})))}, which no conversion "
-                           "makes: refused")
-    if has_xattrs:
-        raise ConvertError("the published squashfs has extended attributes (file capabilities "
-                           "live there), which no conversion makes: refused")
-    listed = entries(path)
-    for entry in listed:
-        kind, name, mode = entry.kind, entry.path, entry.mode
-        if kind not in ("dir", "file", "slink", "pipe"):
-            raise ConvertError(f"the published squashfs holds {kind} /{shown(name, 300)}, "
-                               "which no conversion makes: refused")
-        if (allowed_setuid is not None and kind == "file" and is_setid(mode)
-                and name not in allowed_setuid):
-            raise ConvertError(f"the published squashfs has a set-id file /{shown(name, 300)}"
-                               f" (mode {mode:o}) that the image's layers do not have: refused")
-    return len(listed)
-
-
 def fetch(client: RegistryClient, storage: Storage, published: PublishedSquashfs, final: Path,
           allowed_setuid: set[str] | None,
           progress: Callable[[int], None] | None = None, connections: int = 4,
@@ -297,16 +266,3 @@ def fetch(client: RegistryClient, storage: Storage, published: PublishedSquashfs
                                 published.size, chunk_size, chunks, connections, progress, say,
                                 verified)
     return received, publish_partial(partial, final, allowed_setuid)
-
-
-def publish_partial(partial: Path, final: Path, allowed_setuid: set[str] | None,
-                    mode: int = 0o644) -> int:
-    """Check a downloaded (or received) squashfs's contents and rename it into place as
-    ``final``; the partial file is gone either way.  Returns the entry count."""
-    try:
-        count = check_contents(partial, allowed_setuid)
-        with atomic_path(final, mode=mode) as tmp:
-            os.replace(partial, tmp)
-    finally:
-        partial.unlink(missing_ok=True)
-    return count

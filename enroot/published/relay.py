@@ -40,11 +40,10 @@ from pathlib import Path
 
 from imgpipe.base.directio import DirectWriter
 from imgpipe.base.errors import ImgpipeError
-from imgpipe.enroot.published.artifact import publish_partial
 from imgpipe.enroot.published.chain import SEGMENT, trailer
-from imgpipe.registry.chunkrecord import sidecar_path
-from imgpipe.registry.ranges import Checked, chunks_problem
-from imgpipe.registry.transfer import open_partial
+from imgpipe.enroot.published.contents import publish_partial
+from imgpipe.registry.chunkrecord import open_partial, sidecar_path
+from imgpipe.registry.chunks import Checked, chunks_problem
 
 UNIT = 8 << 20  # bytes a receiver writes and hashes at a time (a multiple of SEGMENT)
 HEADER_MAX = 1 << 20  # 4,096 chunk digests and the rest fit in a third of it

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from imgpipe.enroot.errors import ConvertError
-from imgpipe.enroot.published.artifact import check_contents
+from imgpipe.enroot.published.contents import check_contents
 from imgpipe.enroot.published.pins import PINS_ENV, Pins
 from imgpipe.enroot.published.policy import PublishedPolicy
 from imgpipe.registry.referrers import is_referrers_tag, referrers_tag

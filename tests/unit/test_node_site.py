@@ -1,0 +1,76 @@
+"""A broadcast task's start (issue #61): every node of the job reads the site's settings
+before the chain can start, so it reads them with the fast reader, importing neither
+pydantic nor requests, and reads them as the full loader does."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from imgpipe.base.configlayers import parse_settings
+from imgpipe.base.errors import ImgpipeError
+from imgpipe.commands.node import importer
+from imgpipe.commands.node.nodesite import node_site
+from imgpipe.commands.shared.wiring import storage
+
+DIGEST = "sha256:" + "5d" * 32
+HEAVY = ("pydantic", "requests", "imgpipe.base.config", "imgpipe.registry.client",
+         "imgpipe.enroot.convert", "imgpipe.base.process")
+
+
+def _config(tmp_path: Path, text: str) -> Path:
+    config = tmp_path / "imgpipe.yaml"
+    config.write_text(text)
+    return config
+
+
+def test_a_broadcast_task_starts_without_heavy_modules(tmp_path: Path) -> None:
+    config = _config(tmp_path, f"registry: {{host: head, port: 5000}}\n"
+                               f"outputs: {{squashfs_dir: {tmp_path / 'sqsh'}}}\n")
+    probe = ("import sys\n"
+             "import imgpipe.cli.importer\n"  # the console script's module, as srun runs it
+             "from imgpipe.commands.node.broadcast import broadcast\n"
+             "from imgpipe.commands.node.nodesite import node_site\n"
+             "site = node_site()\n"
+             f"print(site.pinned('head:5000#bench/bert@{DIGEST}').repository, site.host)\n"
+             f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          env={**os.environ, "IMGPIPE_CONFIG": str(config)}, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["bench/bert head", "[]"]
+
+
+@pytest.mark.parametrize("login", ["", "  credentials: {source: netrc}\n"])
+def test_the_fast_reader_sees_the_site_as_the_full_loader_does(tmp_path: Path,
+                                                               monkeypatch, login: str) -> None:
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    config = _config(tmp_path, f"registry:\n  host: head.cluster\n  port: 5443\n"
+                               f"  scheme: https\n{login}"
+                               f"outputs: {{squashfs_dir: link/sqsh}}\n")
+    monkeypatch.setenv("IMGPIPE_CONFIG", str(config))
+    monkeypatch.setattr(importer, "_QUICK", {})
+    site = node_site()
+    settings = parse_settings(config)
+    full = storage(settings)
+    assert (site.address, site.host) == (settings.registry.address, settings.registry.host)
+    # root takes the path as written (a link on it refused, never followed); a user resolves
+    assert site.cache.root == full.root
+    assert site.cache.trust == full.trust
+    assert site.cache.private is bool(login)
+    with pytest.raises(ImgpipeError, match="not pinned to a digest"):
+        site.pinned("head.cluster:5443#bench/bert:1")
+
+
+def test_a_config_the_fast_reader_cannot_interpret_takes_the_full_loader(
+        tmp_path: Path, monkeypatch) -> None:
+    config = _config(tmp_path, "registry: {host: head, credentials: netrc}\n")
+    monkeypatch.setenv("IMGPIPE_CONFIG", str(config))
+    monkeypatch.setattr(importer, "_QUICK", {})
+    assert importer.quick_settings(str(config)) is None
+    with pytest.raises(ImgpipeError, match="credentials"):  # the full loader's one line
+        node_site()
