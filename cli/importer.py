@@ -3,7 +3,8 @@ image (``plugstack.conf``: ``importer=PATH``); its work is ``imgpipe.commands.no
 ``stage URI`` and ``take URI [SHA256 STAGED MANIFEST]`` are what the recipes run where
 squashfs caches are node-local (``imgpipe.commands.node.fanout``); ``broadcast URI``, one
 task per node under ``srun --mpi=pmix``, gets the image onto every node of the job at once
-(``imgpipe.commands.node.broadcast``).
+(``imgpipe.commands.node.broadcast``); ``ahead URI FOLDER`` is its batch host's fetch,
+which the recipes start with the job (``imgpipe.commands.node.batchfetch``).
 
 ``get`` prints the squashfs path Pyxis mounts or unpacks; ``release`` ends the step's
 recorded use when the step ends.  What goes to stderr is what the user sees when the import
@@ -37,7 +38,7 @@ from imgpipe.commands.node.importer import (  # noqa: E402 (after the isolation 
 )
 
 USAGE = ("usage: imgpipe-pyxis-importer get URI | release | stage URI | take URI "
-         "[SHA256 STAGED MANIFEST] | broadcast URI")
+         "[SHA256 STAGED MANIFEST] | broadcast URI | ahead URI FOLDER")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args[:1] in (["stage"], ["take"]) and len(args) in (2, 5):
             return _fanout(args)
+        if len(args) == 3 and args[0] == "ahead":  # the batch host's fetch, for a broadcast
+            from imgpipe.commands.node.batchfetch import fetch_ahead
+
+            return fetch_ahead(args[1], args[2])
         if len(args) == 2 and args[0] == "broadcast":
             from imgpipe.commands.node.broadcast import broadcast
 
@@ -115,8 +120,8 @@ def _fanout(args: list[str]) -> int:
 
 
 def run() -> None:
-    if sys.argv[1:2] in (["get"], ["stage"], ["take"], ["broadcast"]):  # a conversion may
-        # run: SIGTERM must clean up
+    if sys.argv[1:2] in (["get"], ["stage"], ["take"], ["broadcast"], ["ahead"]):
+        # a conversion may run: SIGTERM must clean up
         from imgpipe.base.signals import raise_on_sigterm
 
         raise_on_sigterm()

@@ -23,7 +23,9 @@
     sbcast's three stages one after another (the whole fetch, a store-and-forward tree,
     each node's full sha256 pass) become one pipeline: N nodes cost about one.  Without a
     pin for the image, Slurm's pmix plugin, or MPI on the nodes (the step fails), it stages
-    with sbcast instead, in one line.
+    with sbcast instead, in one line.  The batch host's fetch starts with the job (the
+    importer's ``ahead``, in the background), not with the step: it runs while srun starts
+    a task on every node, and the step's first task follows it.
 
 Every failure on the way is one line and the job still starts: sbcast missing or failing,
 the batch host unable to get the image, a corrupt copy.  With Charliecloud the function
@@ -45,7 +47,7 @@ _FUNCTION = r'''
 default_importer=@IMPORTER@
 IMGPIPE_IMPORTER="${IMGPIPE_IMPORTER:-$default_importer}"
 stage_image() {
-  local nodes=${SLURM_JOB_NUM_NODES:-1} staged=() got line
+  local nodes=${SLURM_JOB_NUM_NODES:-1} staged=() got line ahead="" ahead_pid=""
   local mode=${IMGPIPE_DISTRIBUTION:-@MODE@}
   local uri=$CONT sbcast=${IMGPIPE_SBCAST:-sbcast}
   case "$uri" in /*|./*) return 0 ;; esac  # a squashfs path: nothing to stage
@@ -53,6 +55,12 @@ stage_image() {
     mode=sbcast
     case " ${IMGPIPE_SQUASHFS_PINS:-} " in
       *" ${uri##*@}="*)
+        # the batch host's fetch starts with the job, while srun starts a task on every
+        # node; the step's first task follows its words (a folder of this user's alone)
+        if ahead=$(mktemp -d -t imgpipe-ahead.XXXXXXXX); then
+          "$IMGPIPE_IMPORTER" ahead "$uri" "$ahead" &
+          ahead_pid=$!
+        fi
         if ! srun --mpi=list 2>&1 | grep -qw pmix; then
           echo "${0##*/}: Slurm has no pmix plugin here (srun --mpi=list): staging with" \
             "sbcast" >&2
@@ -64,9 +72,10 @@ stage_image() {
           # host's MPI start itself crashed in about 1 of 20 sandbox runs (inside MPI_Init)
           local try
           for try in 1 2; do
-            if got=$(OMPI_MCA_mpi_yield_when_idle=1 OMPI_MCA_memory='^patcher' \
-                srun -N"$nodes" -n"$nodes" --ntasks-per-node=1 --mpi=pmix \
-                --kill-on-bad-exit=1 "$IMGPIPE_IMPORTER" broadcast "$uri" | sort -u); then
+            if got=$(IMGPIPE_BROADCAST_AHEAD="$ahead" OMPI_MCA_mpi_yield_when_idle=1 \
+                OMPI_MCA_memory='^patcher' srun -N"$nodes" -n"$nodes" --ntasks-per-node=1 \
+                --mpi=pmix --kill-on-bad-exit=1 "$IMGPIPE_IMPORTER" broadcast "$uri" \
+                | sort -u); then
               mode=broadcast
               break
             elif [ "$try" = 1 ]; then
@@ -79,6 +88,12 @@ stage_image() {
       *) echo "${0##*/}: $uri has no squashfs pin (IMGPIPE_SQUASHFS_PINS): staging with" \
            "sbcast" >&2 ;;
     esac
+    if [ -n "$ahead_pid" ]; then  # over with the broadcast; sbcast's stage finds its entry
+      wait "$ahead_pid" || true
+    fi
+    if [ -n "$ahead" ]; then
+      rm -rf "$ahead"
+    fi
   fi
   if [ "$mode" = sbcast ] && [ "$nodes" -gt 1 ]; then
     if ! line=$("$IMGPIPE_IMPORTER" stage "$uri"); then

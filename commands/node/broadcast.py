@@ -271,7 +271,8 @@ def _send(mpi: Any, team: Any, fetch: BatchFetch, pins: frozenset[str], here: st
     nodes = [read_slot(names[i:i + _NAME]) for i in range(_NAME, len(names), _NAME)]
     took = sorted(name for ok, name, _ in nodes if ok)
     fetch_here = sorted(name for ok, name, _ in nodes if not ok)
-    what = f"{header.blob[:19]}… ({human_bytes(header.size)})" if header else "nothing"
+    since = ", fetched since the job's start" if fetch.ahead else ""
+    what = f"{header.blob[:19]}… ({human_bytes(header.size)}{since})" if header else "nothing"
     say(f"{here}: broadcast {what}{'' if sent else ', stopped early'} in "
         f"{time.monotonic() - started:.1f} s: "
         f"{len(took)} node(s) took it ({', '.join(took) or 'none'})"

@@ -171,6 +171,10 @@ def test_four_nodes_take_one_registry_copy(hosts, site, image) -> None:
     assert _sent_to(text) == ["node2", "node3", "node4"], text
     assert _copies(hosts, image, since) == 1.0, text
     assert "sbcast" not in text and "refused" not in text, text
+    # the batch host's fetch began with the job, and the step's first task sent what it
+    # checked (issue #61), not a fetch of its own
+    assert re.search(r"broadcast sha256:[0-9a-f]{12}… \([^)]*, fetched since the job's "
+                     r"start\) in", text), text
 
 
 def test_a_node_that_holds_the_image_receives_nothing(hosts, site, image) -> None:

@@ -106,7 +106,9 @@ def test_broadcast_runs_one_mpi_step_and_falls_back_to_sbcast(tmp_path: Path,
     scripts = _bundle(tmp_path, runtime, "broadcast")
     for text in scripts.values():
         assert "--mpi=pmix" in text and '"$IMGPIPE_IMPORTER" broadcast "$uri"' in text
-        assert "OMPI_MCA_mpi_yield_when_idle=1 OMPI_MCA_memory='^patcher'" in text
+        assert "OMPI_MCA_mpi_yield_when_idle=1 \\\n                OMPI_MCA_memory='^patcher'" \
+            in text
+        assert '"$IMGPIPE_IMPORTER" ahead "$uri" "$ahead" &' in text
         for fallback in ("has no squashfs pin", "has no pmix plugin", "failed: staging with"):
             assert fallback in text
         assert 'if [ "$mode" != broadcast ]; then' in text
@@ -114,6 +116,39 @@ def test_broadcast_runs_one_mpi_step_and_falls_back_to_sbcast(tmp_path: Path,
                            *(str(tmp_path / name) for name in SCRIPTS)],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stdout
+
+
+def test_the_batch_hosts_fetch_starts_before_the_broadcast_step(tmp_path: Path) -> None:
+    """The importer's ``ahead`` runs in the background from before the step: the step's
+    tasks are told its folder (a fresh one of the user's alone), the function waits for it
+    and removes the folder, whatever the step did."""
+    calls = tmp_path / "calls"
+    importer, srun = tmp_path / "importer", tmp_path / "srun"
+    importer.write_text(f'#!/bin/sh\necho "importer $* $(stat -c %a "$3")" >>{calls}\n'
+                        'sleep 1\necho "importer done" >>' f'{calls}\n')
+    srun.write_text(
+        "#!/bin/sh\n"
+        'case "$*" in *--mpi=list*) echo "MPI plugin types are... pmix"; exit 0 ;; esac\n'
+        f'echo "srun $IMGPIPE_BROADCAST_AHEAD $(ls "$IMGPIPE_BROADCAST_AHEAD" | wc -l)"'
+        f' >>{calls}\n'
+        'echo "/var/tmp/entry.sqsh"\n')
+    for program in (importer, srun):
+        program.chmod(0o755)
+    script = "\n".join([
+        "set -euo pipefail", f"CONT={PINNED}",
+        stage_function("charliecloud", "broadcast", str(importer), 2, "4M"),
+        f'echo "after $CONT" >>{calls}'])
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
+                          env={"PATH": f"{tmp_path}:/usr/bin:/bin", "SLURM_JOB_NUM_NODES": "2",
+                               "TMPDIR": str(tmp_path),
+                               "IMGPIPE_SQUASHFS_PINS": f"{PINNED.rsplit('@', 1)[1]}=x"})
+    assert done.returncode == 0, done.stderr
+    said = calls.read_text().splitlines()
+    folder = next(line.split()[1] for line in said if line.startswith("srun "))
+    assert folder.startswith(f"{tmp_path}/imgpipe-ahead."), said
+    assert f"importer ahead {PINNED} {folder} 700" in said
+    assert said[-2:] == ["importer done", "after /var/tmp/entry.sqsh"], said
+    assert not Path(folder).exists()
 
 
 @pytest.mark.parametrize("fails", [1, 2])
