@@ -319,13 +319,17 @@ def _fast_find(uri: str) -> tuple[Reference, str, Path] | None:
         if storage.shared and not quick["squashfs_dir"].stat().st_mode & 0o1000:
             return None  # the full path refuses it with its one line
 
+        pins = Pins.from_env()
+
         def find(manifest: str) -> Path | None:
             return storage.find_squashfs(ref.repository, manifest, quick["compression"],
-                                         Pins.from_env().for_image(manifest), say)
+                                         pins.for_image(manifest), say)
 
         found = find(digest)
-        if found is None and ref.digest is not None and online:
-            # a pinned index: this node's platform's manifest keys the cache
+        # a pinned index: this node's platform's manifest keys the cache.  A digest the job
+        # pins a squashfs for is a manifest's (pins are per platform's manifest): nothing to
+        # ask, which spares the registry a request from every node of a broadcast at once
+        if found is None and ref.digest is not None and online and not pins.for_image(digest):
             child = platform_entry(quick["scheme"], quick["address"], ref.repository, digest)
             found, digest = (find(child), child) if child and child != digest else (None, "")
         return (ref, digest, found) if found is not None else None

@@ -74,3 +74,43 @@ def test_a_config_the_fast_reader_cannot_interpret_takes_the_full_loader(
     assert importer.quick_settings(str(config)) is None
     with pytest.raises(ImgpipeError, match="credentials"):  # the full loader's one line
         node_site()
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_a_pinned_digest_is_looked_up_without_asking_the_registry(tmp_path: Path, monkeypatch,
+                                                                  pinned: bool) -> None:
+    """Every node of a broadcast looks for its entry at once: a digest the job pins a
+    squashfs for is a manifest's, so no node asks the registry whether it is an index (a
+    digest without a pin still does)."""
+    import socket
+    import threading
+
+    from imgpipe.enroot.published.pins import PINS_ENV
+
+    registry = socket.create_server(("127.0.0.1", 0))
+    asked: list[bytes] = []
+
+    def serve() -> None:
+        registry.settimeout(1.5)
+        try:
+            peer, _ = registry.accept()
+            asked.append(peer.recv(4096))
+            peer.close()
+        except OSError:
+            pass
+
+    listener = threading.Thread(target=serve)
+    listener.start()
+    port = registry.getsockname()[1]
+    config = _config(tmp_path, f"registry: {{host: 127.0.0.1, port: {port}}}\n"
+                               f"outputs: {{squashfs_dir: {tmp_path / 'sqsh'}}}\n")
+    monkeypatch.setenv("IMGPIPE_CONFIG", str(config))
+    monkeypatch.setenv(PINS_ENV, f"{DIGEST}=sha256:{'e' * 64}" if pinned else "")
+    monkeypatch.setattr(importer, "_QUICK", {})
+    node_site().cache.prepare()
+    assert importer.fast_get(f"127.0.0.1:{port}#bench/bert@{DIGEST}") is None
+    if pinned:
+        registry.close()  # the listener's accept ends
+    listener.join()
+    registry.close()
+    assert bool(asked) is not pinned, asked
