@@ -84,21 +84,13 @@ from imgpipe.recipes.sandbox import Sandbox, SandboxSpec, running  # noqa: E402
 from imgpipe.recipes.staging import stage_function  # noqa: E402
 from imgpipe.registry.client import RegistryClient  # noqa: E402
 from tests import services  # noqa: E402
+from tests.cluster import system_imgpipe  # noqa: E402
 from tests.published_image import sha256_file  # noqa: E402
 
 NODE_CACHE = "/var/tmp/imgpipe-bench"
 TIER_PORT = 5080
 # at the largest N: sbcast's block size and tree width
 VARIANTS = ("sbcast-64M", "sbcast-fanout2", "sbcast-fanout4")
-
-
-def compile_checkout() -> None:
-    """The checkout's modules compiled: the jobs run its .venv's importer, which, where
-    PYTHONDONTWRITEBYTECODE is set (this machine's environment), would compile every
-    changed module in every task; a node's installed importer has them compiled."""
-    subprocess.run([sys.executable, "-m", "compileall", "-q", "-x",
-                    r"/(\.venv|build|tests|bench|docs)/", str(ROOT)], check=True,
-                   capture_output=True)
 
 
 def squashfs_of_bert() -> Path:
@@ -341,11 +333,12 @@ def main() -> None:
     if os.geteuid() != 0:
         sys.exit("bench_fanout: run it as root (the sandbox makes network namespaces)")
     bert = args.squashfs or squashfs_of_bert()
-    compile_checkout()
     # /tmp: every host sees it (each host's /var/tmp is its own node folder under it)
     work = Path(tempfile.mkdtemp(prefix="imgpipe-fanout-bench-", dir="/tmp"))
     work.chmod(0o755)
-    importer = str(ROOT / ".venv" / "bin" / "imgpipe-pyxis-importer")
+    # the nodes' importer as node-config installs it: a venv of the system Python (the one
+    # Debian's mpi4py is built for), its modules compiled
+    importer = str(system_imgpipe(ROOT) / "imgpipe-pyxis-importer")
     imgpipe = str(ROOT / ".venv" / "bin" / "imgpipe")
     results: dict = {"registry_rate": args.registry_rate, "node_rate": args.node_rate,
                      "cores": os.cpu_count(), "bert": {}, "generated": {}}

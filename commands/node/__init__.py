@@ -6,7 +6,10 @@ Imports go down:
 
     broadcast       ``broadcast``: one image onto every node of a job at once, where caches
                     are node-local (a chain of TCP connections that MPI sets up)
-    batchfetch      the broadcast's fetch on the batch host, in a process of its own
+    chainstep       the broadcast's step once MPI has started: the header, the chain, the
+                    batch host's sending, each receiver's copy, the final tally
+    batchfetch      the broadcast's fetch on the batch host, in a process of its own (the
+                    job starts it ahead of the step; the step's first task follows it)
     nodesite        the settings a broadcast task reads before the chain starts (the fast
                     reader's: no pydantic, no requests)
 

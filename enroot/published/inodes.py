@@ -46,6 +46,7 @@ MAX_DEPTH = 4096  # folders inside folders: far past what PATH_MAX allows
 KINDS = {1: "dir", 2: "file", 3: "slink", 4: "blkdev", 5: "chrdev", 6: "pipe", 7: "sock"}
 _KIND_OF = {**KINDS, **{number + 7: kind for number, kind in KINDS.items()}}  # extended: +7
 _NUMBER_OF = {kind: number for number, kind in KINDS.items()}
+_BASIC = [0, *range(1, 8), *range(1, 8)]  # an inode type number's basic type (0: none)
 COMPRESSORS = {1: "gzip", 2: "lzma", 3: "lzo", 4: "xz", 5: "lz4", 6: "zstd"}
 
 
@@ -217,7 +218,7 @@ def _walk(tables: _Tables, named: bool = True) -> tuple[list[Entry], dict[str, i
     if kind != "dir":
         raise SquashfsFormatError("its root is not a directory")
     found: list[Entry] = []
-    counted: dict[str, int] = {}
+    tally = [0] * len(_BASIC)  # entries by inode type number
     pending = [("", start, offset, size, 0)]
     seen: set[tuple[int, int]] = set()
     total, limit = 0, max(tables.sb.inode_count, 1) * 64
@@ -258,20 +259,22 @@ def _walk(tables: _Tables, named: bool = True) -> tuple[list[Entry], dict[str, i
                     number, mode = kind_mode(cached[0], inode_offset)
                 else:
                     number, mode = _kind_number(tables, inode_table, reference)
-                stored = _KIND_OF.get(number)
-                if stored is None:
+                if not 0 < number < len(_BASIC):
                     raise SquashfsFormatError(f"an inode of unknown type {number}")
-                kind = stored
-                if KINDS.get(listed) != kind:
+                if _BASIC[number] != listed:  # an extended inode lists as its basic type
                     raise SquashfsFormatError(f"{prefix}{_name(raw)!r}: listed as one kind, "
                                               "stored as another")
-                counted[kind] = counted.get(kind, 0) + 1
+                tally[number] += 1
                 if named:
-                    found.append(Entry(prefix + _name(raw), kind, mode))
-                if kind == "dir":
+                    found.append(Entry(prefix + _name(raw), _KIND_OF[number], mode))
+                if number == 1 or number == 8:  # a folder, basic or extended
                     _, _, child_start, child_offset, child_size = _inode(tables, reference)
                     pending.append((f"{prefix}{_name(raw)}/" if named else "", child_start,
                                     child_offset, child_size, depth + 1))
+    counted: dict[str, int] = {}
+    for number, count in enumerate(tally):
+        if count:
+            counted[_KIND_OF[number]] = counted.get(_KIND_OF[number], 0) + count
     return found, counted
 
 

@@ -19,7 +19,9 @@ from imgpipe.commands.shared.wiring import storage
 
 DIGEST = "sha256:" + "5d" * 32
 HEAVY = ("pydantic", "requests", "imgpipe.base.config", "imgpipe.registry.client",
-         "imgpipe.enroot.convert", "imgpipe.base.process")
+         "imgpipe.enroot.convert", "imgpipe.base.process",
+         # what only the step needs once MPI has started (commands.node.chainstep)
+         "imgpipe.enroot.published.relay", "imgpipe.commands.node.batchfetch")
 
 
 def _config(tmp_path: Path, text: str) -> Path:
