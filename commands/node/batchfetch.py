@@ -9,12 +9,14 @@ cores; on a real cluster it grows with the node count), and writes its words to
 folder).  Where no such fetch runs on this host (an older recipe, another node order), the
 first task forks the fetch itself, before MPI starts.
 
-Its words are JSON lines: a first one naming the host, the process and when it began; one
-per chunk it checked (its blob, partial file, size, chunk size and how far it has checked; the
-chunk list once); its entry; and its exit code last."""
+Its words are JSON lines: a first one naming the host, the image, the process and when it
+began; one per chunk it checked (its blob, partial file, size, chunk size and how far it has
+checked; the chunk list once); its entry; and its exit code last.  It holds a lock on the
+file while it lives: the follower's sign that more may come."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -26,11 +28,11 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from imgpipe.base.errors import ImgpipeError
-from imgpipe.commands.node.importer import get
+from imgpipe.commands.node.importer import BROADCAST_AHEAD_ENV, get
 from imgpipe.enroot.published.relay import Prefix
 from imgpipe.registry.chunks import Checked
 
-AHEAD_ENV = "IMGPIPE_BROADCAST_AHEAD"  # the folder of the fetch the job started ahead
+AHEAD_ENV = BROADCAST_AHEAD_ENV  # the folder of the fetch the job started ahead
 WORDS = "fetch"  # the file in that folder the fetch writes its words to
 _NAP_S = 0.005  # how long the follower sleeps when the fetch has said nothing new
 AHEAD_WAIT_S = 5.0  # how long the first task waits for the words of a fetch started ahead
@@ -52,10 +54,9 @@ class BatchFetch:
         if found is not None:
             self.prefix.finish(found)
             return
-        ahead = _ahead_words()
+        ahead = _ahead_words(uri)
         if ahead is not None:
             (self._ahead, first), self.ahead = ahead, True
-            self._pid = int(first["pid"])
             self.began = float(first["began"])
             self.started -= max(0.0, time.time() - self.began)
             return
@@ -93,15 +94,17 @@ class BatchFetch:
 
     def _follow_ahead(self) -> None:
         """Read the ahead fetch's words as it writes them, to its exit line (or to its end
-        without one: the process gone).  Words that do not parse end it as failed."""
+        without one: the process gone, its lock with it).  Anything that goes wrong ends it as
+        failed: the sender is never left waiting."""
         entry: Path | None = None
         code = 1
         try:
             entry, code = self._read_ahead()
-        except (ValueError, KeyError, TypeError, OSError):
+        except Exception:  # noqa: BLE001 (words that do not parse: the fetch failed)
             code = 1
-        self.failed = code != 0 or entry is None
-        self.prefix.finish(None if self.failed else entry)
+        finally:
+            self.failed = code != 0 or entry is None
+            self.prefix.finish(None if self.failed else entry)
 
     def _read_ahead(self) -> tuple[Path | None, int]:
         entry: Path | None = None
@@ -111,7 +114,7 @@ class BatchFetch:
             while True:
                 block = words.read(1 << 16)
                 if not block:
-                    if _running(self._pid):
+                    if _writing(self._ahead):
                         time.sleep(_NAP_S)
                         continue
                     block = words.read(1 << 16)  # what it wrote just before it ended
@@ -120,6 +123,8 @@ class BatchFetch:
                 *lines, rest = (rest + block).split(b"\n")
                 for line in lines:
                     word = json.loads(line)
+                    if not isinstance(word, dict):
+                        return entry, 1
                     if "exit" in word:
                         return entry, int(word["exit"])
                     entry, digests = self._take(word, entry, digests)
@@ -151,7 +156,10 @@ def fetch_ahead(uri: str, folder: str) -> int:
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     with os.fdopen(os.open(os.path.join(folder, WORDS), flags, 0o600), "wb",
                    buffering=0) as out:
-        out.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+        # held while this process lives (a kill lets go of it too): the follower's sign
+        # that words may still come
+        fcntl.flock(out.fileno(), fcntl.LOCK_EX)
+        out.write(json.dumps({"host": socket.gethostname(), "uri": uri, "pid": os.getpid(),
                               "began": time.time()}).encode() + b"\n")
         code = 1
         try:
@@ -161,10 +169,11 @@ def fetch_ahead(uri: str, folder: str) -> int:
     return code
 
 
-def _ahead_words() -> tuple[int, dict[str, Any]] | None:
-    """The words of the fetch the job started ahead on this host: the file, open at its
-    second line, and its first line; None where there is none to follow (no folder named,
-    not this user's, another host's fetch)."""
+def _ahead_words(uri: str) -> tuple[int, dict[str, Any]] | None:
+    """The words of the fetch the job started ahead on this host for ``uri``: the file, open
+    at its second line, and its first line; None where there is none to follow (no folder
+    named, not this user's, another host's or image's fetch, one that failed: a second try
+    of the step fetches anew)."""
     folder = os.environ.get(AHEAD_ENV, "")
     if not folder.startswith("/") or not _own_folder(folder):
         return None
@@ -184,8 +193,9 @@ def _ahead_words() -> tuple[int, dict[str, Any]] | None:
                     info.st_uid == os.getuid() else None
                 if first is not None:
                     if first.get("host") == socket.gethostname() \
-                            and isinstance(first.get("pid"), int) \
-                            and isinstance(first.get("began"), float):
+                            and first.get("uri") == uri \
+                            and isinstance(first.get("began"), float) \
+                            and not _failed(fd):
                         return fd, first
                     os.close(fd)
                     return None  # another host's, or not a fetch's words
@@ -220,15 +230,28 @@ def _first_line(fd: int) -> dict[str, Any] | None:
     return word if isinstance(word, dict) else None
 
 
-def _running(pid: int) -> bool:
-    """Whether the process ``pid`` still runs (a zombie does not: the batch script, which
-    waits for it, is itself waiting for the step)."""
+def _writing(fd: int) -> bool:
+    """Whether the ahead fetch still holds its words file's lock (it lives; a zombie or a
+    killed process does not hold it).  Probed through our own open file: a shared lock
+    taken at once means nobody writes; it is let go of at once."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as status:
-            state = status.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
+def _failed(fd: int) -> bool:
+    """Whether the words written so far end with a failed fetch's exit line."""
+    size = os.fstat(fd).st_size
+    tail = os.pread(fd, min(size, 256), max(0, size - 256))
+    last = tail.rstrip(b"\n").rsplit(b"\n", 1)[-1]
+    try:
+        word = json.loads(last)
+    except ValueError:
         return False
-    return state not in (b"Z", b"X")
+    return isinstance(word, dict) and word.get("exit", 0) != 0
 
 
 def _fetch_and_tell(uri: str, out: BinaryIO) -> int:

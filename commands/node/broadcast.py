@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from imgpipe.base.errors import ImgpipeError
 from imgpipe.commands.node.audit import record
-from imgpipe.commands.node.importer import fast_get, get, say
+from imgpipe.commands.node.importer import BROADCAST_AHEAD_ENV, fast_get, get, say
 from imgpipe.commands.node.nodesite import node_site
 from imgpipe.enroot.cache.storage import Storage
 from imgpipe.enroot.published.chain import StalledError
@@ -85,10 +85,13 @@ def broadcast(uri: str) -> Path:
     site = node_site()  # light: every task reads it before the chain can start
     ref = site.pinned(uri)
     manifest = ref.digest or ""
-    found = fast_get(uri, "broadcast")
+    first_task = os.environ.get("SLURM_PROCID") == "0"
+    # a hit on the batch host is the ahead fetch's line in the site's audit log, not ours too
+    found = fast_get(uri, None if first_task and os.environ.get(BROADCAST_AHEAD_ENV)
+                     else "broadcast")
     # The step's first task runs on the batch host and sends (MPI's rank 0 under srun):
     # its fetch starts at once, while the other nodes' tasks still start.
-    fetch = _batch_fetch(uri, found) if os.environ.get("SLURM_PROCID") == "0" else None
+    fetch = _batch_fetch(uri, found) if first_task else None
     mpi = load_mpi()
     world = mpi.COMM_WORLD
     here = socket.gethostname()

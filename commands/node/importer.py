@@ -36,9 +36,13 @@ if TYPE_CHECKING:
     from imgpipe.registry.reference import Reference
 
 SITE_CONFIG = "/etc/imgpipe/imgpipe.yaml"
-# The defaults of imgpipe.base.config that the fast path reads (a test keeps them equal).
+# The defaults of imgpipe.base.config that the fast path reads (tests/unit/test_node_site.py
+# keeps them equal).
 DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SCHEME = "127.0.0.1", 5000, "http"
 DEFAULT_SQUASHFS_DIR = "build/squashfs"
+# base.config's TRUSTED_KEYS (the same test): a file that sets one is read by the full loader
+TRUSTED_KEYS = ("enroot.cache_owner", "enroot.cache_writer", "audit.log", "audit.recorder")
+BROADCAST_AHEAD_ENV = "IMGPIPE_BROADCAST_AHEAD"  # the folder of a broadcast's fetch started ahead
 DOCKER_HUB = "registry-1.docker.io"
 IMPORTED = "imported-by-enroot"  # a step record's first line for another registry's image
 
@@ -167,17 +171,24 @@ def quick_settings(path: str | None) -> dict[str, Any] | None:
     if path is not None:
         try:
             with open(path) as handle:
+                info = os.fstat(handle.fileno())
                 raw = yaml.load(handle, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
         except (OSError, yaml.YAMLError):
             return None
         if not isinstance(raw, dict):
+            return None
+        # what the threat model trusts comes only from a file root owns and nobody else may
+        # write: any other file that sets it, the full loader refuses (configlayers)
+        if (info.st_uid != 0 or info.st_mode & 0o022) and any(
+                isinstance(raw.get(section), dict) and raw[section].get(key) is not None
+                for section, _, key in (dotted.partition(".") for dotted in TRUSTED_KEYS)):
             return None
     registry = raw.get("registry") or {}
     outputs = raw.get("outputs") or {}
     enroot = raw.get("enroot") or {}
     if not all(isinstance(x, dict) for x in (registry, outputs, enroot)):
         return None
-    root = Path(path).resolve().parent if path else Path.cwd()
+    root = Path(path).parent.resolve() if path else Path.cwd()  # as parse_settings has it
     folder = Path(str(outputs.get("squashfs_dir", DEFAULT_SQUASHFS_DIR)))
     login = registry.get("credentials") or {}
     if not isinstance(login, dict):

@@ -1,14 +1,15 @@
 """The batch host's fetch started with the job (issue #61): the broadcast step's first task
-follows the words it writes, as they come, and never waits on one that ended without saying
-so; a folder or words not this user's own, or another host's, are not followed."""
+follows the words it writes, as they come, while the fetch holds its lock on them, and never
+waits on one that ended without saying so; a folder or words not this user's own, another
+host's or another image's, or a fetch that failed (a second try of the step) are not
+followed."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from imgpipe.commands.node import batchfetch
 from imgpipe.commands.node.batchfetch import AHEAD_ENV, WORDS, BatchFetch
 
 BLOB = "sha256:" + "c" * 64
+URI = "head:5000#bench/bert@sha256:" + "a" * 64
 
 
 def _folder(tmp_path: Path) -> Path:
@@ -33,8 +35,16 @@ def _line(word: dict) -> bytes:
     return json.dumps(word).encode() + b"\n"
 
 
-def _first(pid: int, host: str | None = None) -> bytes:
-    return _line({"host": host or socket.gethostname(), "pid": pid, "began": time.time() - 2})
+def _first(host: str | None = None, uri: str = URI) -> bytes:
+    return _line({"host": host or socket.gethostname(), "uri": uri, "pid": os.getpid(),
+                  "began": time.time() - 2})
+
+
+def _writer(words: Path) -> int:
+    """The words file open as the ahead fetch holds it: created, locked while it writes."""
+    fd = os.open(words, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
 
 
 def _chunk(upto: int, digests: bool = False) -> bytes:
@@ -47,21 +57,23 @@ def _chunk(upto: int, digests: bool = False) -> bytes:
 
 def test_the_first_task_follows_the_words_as_they_come(tmp_path: Path, monkeypatch) -> None:
     folder = _folder(tmp_path)
-    words = folder / WORDS
-    words.write_bytes(_first(os.getpid()) + _chunk(100, digests=True))
+    words = _writer(folder / WORDS)
+    os.write(words, _first() + _chunk(100, digests=True))
     monkeypatch.setenv(AHEAD_ENV, str(folder))
-    fetch = BatchFetch("head:5000#bench/bert@sha256:" + "a" * 64, None)
-    assert time.time() - fetch.began >= 2  # the fetch's own start: the stage times say it
+    fetch = BatchFetch(URI, None)
+    assert fetch.ahead and time.time() - fetch.began >= 2  # the fetch's own start
     fetch.follow()
     assert fetch.prefix.poll(BLOB, 100, 5) is True
     assert fetch.prefix.poll(BLOB, 200, 0.2) is None  # not checked yet: the sender waits
 
     def write_the_rest() -> None:
-        with open(words, "ab", buffering=0) as out:
-            for part in (_chunk(200)[:20], _chunk(200)[20:], _chunk(300),
-                         _line({"entry": "/cache/entry.sqsh"}), _line({"exit": 0})):
-                time.sleep(0.05)  # a line may be read half written
-                out.write(part)
+        for part in (_chunk(200)[:20], _chunk(200)[20:], _chunk(300),
+                     _line({"entry": "/cache/entry.sqsh"})):
+            time.sleep(0.05)  # a line may be read half written
+            os.write(words, part)
+        time.sleep(0.2)  # nothing new for a while: the lock says more may come
+        os.write(words, _line({"exit": 0}))
+        os.close(words)
 
     threading.Thread(target=write_the_rest).start()
     assert fetch.prefix.wait(BLOB, 300)
@@ -70,16 +82,20 @@ def test_the_first_task_follows_the_words_as_they_come(tmp_path: Path, monkeypat
     assert checked is not None and checked.digests == ("d0", "d1", "d2")
 
 
-@pytest.mark.parametrize("ending", [b"", _line({"exit": 1})])
-def test_a_fetch_that_ended_without_its_entry_fails_the_sender_and_never_hangs(
+@pytest.mark.parametrize("ending", [b"", b'{"entry": "/cache/e', b"[1]\n"])
+def test_a_fetch_gone_without_its_exit_fails_the_sender_and_never_hangs(
         tmp_path: Path, monkeypatch, ending: bytes) -> None:
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)
+    """Killed (its lock let go of with it), or words that do not parse: the sender hears
+    that the fetch failed, at once."""
     folder = _folder(tmp_path)
-    (folder / WORDS).write_bytes(_first(int(gone.stdout)) + _chunk(100, True) + ending)
+    words = _writer(folder / WORDS)
+    os.write(words, _first() + _chunk(100, True))
     monkeypatch.setenv(AHEAD_ENV, str(folder))
-    fetch = BatchFetch("head:5000#bench/bert@sha256:" + "a" * 64, None)
+    fetch = BatchFetch(URI, None)
     fetch.follow()
+    assert fetch.prefix.poll(BLOB, 100, 5) is True
+    os.write(words, ending)
+    os.close(words)  # as a kill does: the lock goes with the process
     started = time.monotonic()
     with pytest.raises(ImgpipeError, match="fetch failed"):
         fetch.result()
@@ -90,20 +106,24 @@ def test_words_not_to_follow_are_not_followed(tmp_path: Path, monkeypatch) -> No
     folder = _folder(tmp_path)
     monkeypatch.setenv(AHEAD_ENV, str(folder))
     monkeypatch.setattr(batchfetch, "AHEAD_WAIT_S", 0.2)
-    assert batchfetch._ahead_words() is None  # no words came
-    (folder / WORDS).write_bytes(_first(os.getpid(), host="another-host"))
-    assert batchfetch._ahead_words() is None  # another host's fetch (a shared /tmp)
-    (folder / WORDS).unlink()
-    (folder / WORDS).symlink_to(tmp_path / "planted")
-    (tmp_path / "planted").write_bytes(_first(os.getpid()))
-    assert batchfetch._ahead_words() is None  # a link is never followed
-    (folder / WORDS).unlink()
-    (folder / WORDS).write_bytes(_first(os.getpid()))
+    words = folder / WORDS
+    assert batchfetch._ahead_words(URI) is None  # no words came
+    for first in (_first(host="another-host"), _first(uri=URI.replace("bert", "other"))):
+        words.write_bytes(first)  # another host's fetch (a shared /tmp), another image's
+        assert batchfetch._ahead_words(URI) is None
+    words.write_bytes(_first() + _chunk(100, True) + _line({"exit": 1}))
+    assert batchfetch._ahead_words(URI) is None  # it failed: a second try fetches anew
+    words.unlink()
+    words.symlink_to(tmp_path / "planted")
+    (tmp_path / "planted").write_bytes(_first())
+    assert batchfetch._ahead_words(URI) is None  # a link is never followed
+    words.unlink()
+    words.write_bytes(_first())
     folder.chmod(0o777)
-    assert batchfetch._ahead_words() is None  # a folder others may write to
+    assert batchfetch._ahead_words(URI) is None  # a folder others may write to
     folder.chmod(0o700)
-    found = batchfetch._ahead_words()
-    assert found is not None and found[1]["pid"] == os.getpid()
+    found = batchfetch._ahead_words(URI)
+    assert found is not None and found[1]["uri"] == URI
     os.close(found[0])
 
 
@@ -111,7 +131,6 @@ def test_ahead_refuses_a_folder_others_may_write_to(tmp_path: Path, capsys) -> N
     folder = tmp_path / "open"
     folder.mkdir(mode=0o777)
     folder.chmod(0o777)
-    assert importer_main(["ahead", "head:5000#bench/bert@sha256:" + "a" * 64,
-                          str(folder)]) == 1
+    assert importer_main(["ahead", URI, str(folder)]) == 1
     assert "not a folder of this user's alone" in capsys.readouterr().err
     assert not (folder / WORDS).exists()

@@ -116,3 +116,42 @@ def test_a_pinned_digest_is_looked_up_without_asking_the_registry(tmp_path: Path
     listener.join()
     registry.close()
     assert bool(asked) is not pinned, asked
+
+
+def test_what_the_threat_model_trusts_is_never_read_from_a_file_others_may_write(
+        tmp_path: Path, monkeypatch) -> None:
+    """enroot.cache_owner (whose entries a cache trusts by owner) from a file a job user
+    could have written: the fast reader leaves it to the full loader, which refuses it."""
+    config = _config(tmp_path, f"outputs: {{squashfs_dir: {tmp_path / 'sqsh'}}}\n"
+                               "enroot: {cache_owner: nobody}\n")
+    monkeypatch.setenv("IMGPIPE_CONFIG", str(config))
+    monkeypatch.setattr(importer, "_QUICK", {})
+    config.chmod(0o666)
+    assert importer.quick_settings(str(config)) is None
+    with pytest.raises(ImgpipeError, match="enroot.cache_owner: only a file root owns"):
+        node_site()
+    config.chmod(0o644)  # root's own, nobody else may write: taken
+    quick = importer.quick_settings(str(config))
+    assert quick is not None and quick["cache_owner"] == "nobody"
+
+
+def test_the_fast_readers_defaults_are_the_full_loaders() -> None:
+    from imgpipe.base.config import TRUSTED_KEYS, Settings
+
+    settings = Settings(root=Path("/"))
+    assert importer.TRUSTED_KEYS == TRUSTED_KEYS
+    assert (importer.DEFAULT_HOST, importer.DEFAULT_PORT, importer.DEFAULT_SCHEME) == (
+        settings.registry.host, settings.registry.port, settings.registry.scheme)
+    assert Path(importer.DEFAULT_SQUASHFS_DIR) == settings.outputs.squashfs_dir
+
+
+def test_a_linked_config_file_roots_relative_paths_where_the_full_loader_does(
+        tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "srv").mkdir()
+    real = _config(tmp_path / "srv", "outputs: {squashfs_dir: sqsh}\n")
+    linked = tmp_path / "etc" / "imgpipe.yaml"
+    linked.symlink_to(real)
+    monkeypatch.setenv("IMGPIPE_CONFIG", str(linked))
+    monkeypatch.setattr(importer, "_QUICK", {})
+    assert node_site().cache.root == storage(parse_settings(linked)).root
