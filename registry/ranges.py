@@ -13,8 +13,9 @@ harm: chunks of at least MIN_CHUNK_SIZE, at most MAX_CHUNKS of them.  A list out
 bounds is ignored in one line and the fetch goes by its own chunk size, checked by the whole
 digest alone (``plan_chunks``).
 
-Followed chunk by chunk (``verified``: a job's broadcast), the connections share each chunk's
-ranges, so the first is checked after one chunk's time (c/L), not k chunks' (k·c/L).
+Followed chunk by chunk (``verified``: a job's broadcast), the chunks come in order in one
+stream, each checked as its last byte lands: the first after one chunk's time (c/L), not the
+k chunks' time (k·c/L) of k connections fetching a chunk each.
 
 Which chunks are done is kept beside the partial file (registry.chunkrecord), so a broken-off
 download goes on with the missing chunks only, when it goes on under the same plan.  A server
@@ -139,7 +140,11 @@ class _Download:
 
 
 class BrokenRangeError(RegistryError):
-    """A range whose transfer broke off (a timeout, a reset, a short answer): asked again."""
+    """A range whose transfer broke off (a timeout, a reset, a short answer): asked again.
+    A stream's says how many of its chunks were done first, and the bytes received."""
+
+    done = 0
+    received = 0
 
 
 def _get_range_again(job: _Download, start: int, end: int) -> tuple[str, int]:
@@ -158,28 +163,34 @@ def _get_range_again(job: _Download, start: int, end: int) -> tuple[str, int]:
     raise AssertionError("unreachable")
 
 
+def _open_range(job: _Download, start: int, end: int) -> requests.Response:
+    """The answer to GET bytes ``start``-``end``, its status and Content-Range checked
+    (_NoRanges where the server sends the whole blob)."""
+    response = job.client.request("GET", job.url_path, stream=True, ok={200, 206},
+                                  headers={"Range": f"bytes={start}-{end}"})
+    answered = response.headers.get("Content-Range", "")
+    if response.status_code == 200 or not answered.startswith(f"bytes {start}-{end}/"):
+        response.close()
+        if response.status_code == 200:
+            raise _NoRanges
+        raise RegistryError(f"{job.client.address} answered the range {start}-{end} of "
+                            f"{job.digest} with Content-Range {shown(answered, 80)!r}",
+                            method="GET", url=job.url_path)
+    return response
+
+
 def _get_range(job: _Download, start: int, end: int) -> tuple[str, int]:
     """GET bytes ``start``-``end`` into the partial file at ``start``: their sha256 and
     how many arrived."""
-    response = job.client.request("GET", job.url_path, stream=True, ok={200, 206},
-                                  headers={"Range": f"bytes={start}-{end}"})
+    response = _open_range(job, start, end)
     hasher, offset = hashlib.sha256(), start
     try:
-        if response.status_code == 200:
-            raise _NoRanges
-        answered = response.headers.get("Content-Range", "")
-        if not answered.startswith(f"bytes {start}-{end}/"):
-            raise RegistryError(f"{job.client.address} answered the range {start}-{end} of "
-                                f"{job.digest} with Content-Range {shown(answered, 80)!r}",
-                                method="GET", url=job.url_path)
         for block in response.iter_content(READ_CHUNK):
             if offset + len(block) > end + 1:
                 raise RegistryError(f"{job.client.address} sent more than the range "
                                     f"{start}-{end} of {job.digest}: refused",
                                     method="GET", url=job.url_path)
-            view = memoryview(block)
-            while view:
-                view = view[os.pwrite(job.fd, view, offset + len(block) - len(view)):]
+            _write_at(job.fd, block, offset)
             hasher.update(block)
             offset += len(block)
             job.advance(len(block))
@@ -196,40 +207,101 @@ def _get_range(job: _Download, start: int, end: int) -> tuple[str, int]:
     return hasher.hexdigest(), offset - start
 
 
-def _fetch_part(job: _Download, index: int, start: int, end: int, left: list[int]) -> int:
-    """Bytes ``start``-``end`` of chunk ``index`` (one of its ``left[index]`` parts, fetched
-    at once); the connection that lands its last part checks the chunk, read back, and
-    fetches it again whole while it does not match.  The bytes received."""
-    if job.failed.is_set():
-        return 0
+def _write_at(fd: int, block: bytes, offset: int) -> None:
+    view = memoryview(block)
+    while view:
+        view = view[os.pwrite(fd, view, offset + len(block) - len(view)):]
+
+
+def _stream_chunks(job: _Download, missing: list[int]) -> int:
+    """Followed (a job's broadcast sends each chunk once it is checked): the ``missing``
+    chunks in order, each run of them in one stream, each chunk checked as its last byte
+    lands (one chunk's time behind the registry).  One stream, not the connections sharing
+    each chunk's parts: those all paused between parts at once, the link idle for a
+    request's round trip per chunk (5 % of a 200 Mbit/s link beside the broadcast's first
+    hop, issue #61).  A chunk that does not match is fetched again alone, in one line, and
+    the stream goes on; one that breaks off is asked again from its start.  The bytes
+    received."""
+    received, at, broken = 0, 0, 0
+    while at < len(missing) and not job.failed.is_set():
+        run = 1
+        while at + run < len(missing) and missing[at + run] == missing[at] + run:
+            run += 1
+        try:
+            done, count = _stream_run(job, missing[at:at + run])
+            broken = 0
+        except BrokenRangeError as exc:
+            if job.failed.is_set():  # a chunk fetched again alone failed for good
+                raise
+            done, count = exc.done, exc.received
+            broken = 0 if done else broken + 1
+            if broken == BROKEN_TRIES:
+                job.failed.set()
+                raise
+            why = type(exc.__cause__).__name__ if exc.__cause__ else "a short answer"
+            job.say(f"bytes {job.bounds(missing[at + done])[0]}-"
+                    f"{job.bounds(missing[at + run - 1])[1]} of {job.digest[:19]} broke off "
+                    f"({why}): fetching them again")
+            time.sleep(broken)
+        except BaseException:
+            job.failed.set()
+            raise
+        received, at = received + count, at + done
+    return received
+
+
+def _stream_run(job: _Download, chunks: list[int]) -> tuple[int, int]:
+    """One GET of the consecutive ``chunks``, each written, checked and finished as it
+    lands: how many were done, and the bytes received (a BrokenRangeError says both)."""
+    first, last = job.bounds(chunks[0])[0], job.bounds(chunks[-1])[1]
+    response = _open_range(job, first, last)
+    done, received, offset = 0, 0, first
+    hasher = hashlib.sha256()
     try:
-        _, received = _get_range_again(job, start, end)
-        with job.lock:
-            left[index] -= 1
-            if left[index]:
-                return received
-        first, last = job.bounds(index)
-        hasher = hashlib.sha256()
-        for offset in range(first, last + 1, READ_CHUNK):
-            hasher.update(os.pread(job.fd, min(READ_CHUNK, last + 1 - offset), offset))
-        got = hasher.hexdigest()
-        expected = job.digests[index] if job.digests and not job.distrusted else None
-        if expected is None or got == expected:
-            job.finished(index)
-            return received
-        job.say(f"chunk {index} (bytes {first}-{last}) of {job.digest[:19]} hashed to "
-                f"sha256:{got}, not the published sha256:{expected}: fetching it again")
-    except BaseException:
-        job.failed.set()
-        raise
-    return received + _fetch_chunk(job, index, {got})
+        for block in response.iter_content(1 << 20):
+            while block:
+                if done == len(chunks):
+                    raise RegistryError(f"{job.client.address} sent more than the range "
+                                        f"{first}-{last} of {job.digest}: refused",
+                                        method="GET", url=job.url_path)
+                end = job.bounds(chunks[done])[1] + 1
+                piece, block = block[:end - offset], block[end - offset:]
+                _write_at(job.fd, piece, offset)
+                hasher.update(piece)
+                offset += len(piece)
+                received += len(piece)
+                job.advance(len(piece))
+                if offset == end:
+                    _check_streamed(job, chunks[done], hasher.hexdigest())
+                    done, hasher = done + 1, hashlib.sha256()
+    except requests.RequestException as exc:
+        raise _broken(job, first, last, done, received) from exc
+    finally:
+        response.close()
+    if done < len(chunks):
+        raise _broken(job, first, last, done, received)
+    return done, received
 
 
-def _parts(job: _Download, index: int, count: int) -> list[tuple[int, int]]:
-    """Chunk ``index`` cut into ``count`` byte ranges (fewer for a short last chunk)."""
+def _check_streamed(job: _Download, index: int, got: str) -> None:
+    """A streamed chunk: finished where it matches its digest, else fetched again alone."""
+    expected = job.digests[index] if job.digests and not job.distrusted else None
+    if expected is None or got == expected:
+        job.finished(index)
+        return
     start, end = job.bounds(index)
-    step = max(-(-(end + 1 - start) // count), 1 << 20)
-    return [(lo, min(end, lo + step - 1)) for lo in range(start, end + 1, step)]
+    job.say(f"chunk {index} (bytes {start}-{end}) of {job.digest[:19]} hashed to "
+            f"sha256:{got}, not the published sha256:{expected}: fetching it again")
+    _fetch_chunk(job, index, {got})
+
+
+def _broken(job: _Download, first: int, last: int, done: int, received: int
+            ) -> BrokenRangeError:
+    error = BrokenRangeError(f"download of {job.digest} from {job.client.address} broke off "
+                             f"in bytes {first}-{last} (run again to resume: the chunks "
+                             "verified so far are kept)", method="GET", url=job.url_path)
+    error.done, error.received = done, received
+    return error
 
 
 def _fetch_chunk(job: _Download, index: int, seen: set[str] | None = None) -> int:
@@ -337,11 +409,8 @@ def _run(job: _Download, connections: int) -> int:
         job.ready[index].set()
     missing = [i for i in range(count) if i not in job.record.done]
     with ThreadPoolExecutor(connections, thread_name_prefix="blob-range") as pool:
-        if job.verified is not None:  # followed: every connection on the next chunk's parts
-            left = [len(_parts(job, i, connections)) for i in range(count)]
-            futures: list[Future[int]] = [pool.submit(_fetch_part, job, i, lo, hi, left)
-                                          for i in missing
-                                          for lo, hi in _parts(job, i, connections)]
+        if job.verified is not None:  # followed: the chunks in order, in one stream
+            futures: list[Future[int]] = [pool.submit(_stream_chunks, job, missing)]
         else:
             futures = [pool.submit(_fetch_chunk, job, i) for i in missing]
         try:

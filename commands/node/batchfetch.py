@@ -29,7 +29,6 @@ from typing import Any, BinaryIO
 
 from imgpipe.base.errors import ImgpipeError
 from imgpipe.commands.node.importer import BROADCAST_AHEAD_ENV, get
-from imgpipe.enroot.published.relay import Prefix
 from imgpipe.registry.chunks import Checked
 
 AHEAD_ENV = BROADCAST_AHEAD_ENV  # the folder of the fetch the job started ahead
@@ -45,6 +44,10 @@ class BatchFetch:
     what it has checked, and its entry last."""
 
     def __init__(self, uri: str, found: Path | None) -> None:
+        # the step's modules: imported here, by the task that follows, not by the fetch
+        # started ahead, whose CPU before its first request is the chain's start (#61)
+        from imgpipe.enroot.published.relay import Prefix
+
         self.prefix = Prefix()
         self.failed = False
         self.started = time.monotonic()

@@ -36,6 +36,7 @@ from imgpipe.registry.chunkrecord import (
     sidecar_path,
 )
 from imgpipe.registry.client import RegistryClient
+from imgpipe.registry.errors import RegistryError
 from imgpipe.registry.manifests import Manifest
 from imgpipe.registry.mediatypes import OCI_MANIFEST, REGISTRY_HEADER
 from imgpipe.registry.ranges import (
@@ -334,22 +335,23 @@ def test_a_pinned_blob_is_fetched_by_its_oldest_artifacts_chunking() -> None:
     assert chosen[1].chunk_size == 64 << 20 and chosen[1].size == 0
 
 
-def test_a_followed_fetch_checks_its_chunks_in_order_each_over_every_connection(
+def test_a_followed_fetch_streams_its_chunks_in_order_checking_each_as_it_lands(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A job's broadcast follows the chunks as they are checked: the connections share each
-    chunk's ranges (chunk 0 checked after one chunk's time, not four's), a part that comes
-    broken has its chunk fetched again whole, in one line; not followed, a chunk each."""
+    """A job's broadcast follows the chunks as they are checked: one stream in order (chunk
+    0 checked after one chunk's time, not four's, and no pause between requests); a chunk
+    that comes broken is fetched again alone, in one line, while the stream goes on; a
+    stream that breaks off goes on from the chunk it was in.  Not followed: a chunk each."""
     data = os.urandom(3 * CHUNK + 12345)
     blob, digests = _sha256(data), _digests(data, CHUNK)
     partial = tmp_path / "blob.part"
     client, server = _served(data, partial)
-    send, broken = server.send, f"bytes={CHUNK}-{CHUNK + (2 << 20) - 1}"
+    send, stream = server.send, f"bytes=0-{len(data) - 1}"
 
     def once_broken(request: requests.PreparedRequest, **kwargs: object) -> requests.Response:
         response = send(request, **kwargs)
-        if request.headers.get("Range") == broken and server.asked.count(broken) == 1:
+        if request.headers.get("Range") == stream and server.asked.count(stream) == 1:
             body = bytearray(response.raw.read())
-            body[5] ^= 1
+            body[CHUNK + 5] ^= 1
             response.raw = io.BytesIO(bytes(body))
         return response
 
@@ -360,13 +362,60 @@ def test_a_followed_fetch_checks_its_chunks_in_order_each_over_every_connection(
                  verified=lambda c: checked.append(c.upto))
     assert partial.read_bytes() == data
     assert checked == [CHUNK, 2 * CHUNK, 3 * CHUNK, len(data)]
-    asked = [a for a in server.asked if a]
-    assert asked[:4] == [f"bytes={i << 21}-{((i + 1) << 21) - 1}" for i in range(4)]
-    assert f"bytes={CHUNK}-{2 * CHUNK - 1}" in asked  # chunk 1 again, whole
-    assert [s for s in said if "fetching it again" in s] == [s for s in said if "chunk 1 " in s]
-    assert len(said) == 1
+    assert [a for a in server.asked if a] == [stream, f"bytes={CHUNK}-{2 * CHUNK - 1}"]
+    assert len(said) == 1 and "chunk 1 " in said[0] and "fetching it again" in said[0], said
+
+    partial.unlink()  # broken off inside chunk 2: asked again from chunk 2's start
+    client, server = _served(data, partial)
+    send = server.send
+
+    def cut(request: requests.PreparedRequest, **kwargs: object) -> requests.Response:
+        response = send(request, **kwargs)
+        if request.headers.get("Range") == stream:
+            response.raw = io.BytesIO(response.raw.read()[:2 * CHUNK + 7])
+        return response
+
+    monkeypatch.setattr(server, "send", cut)
+    checked.clear()
+    said.clear()
+    fetch_ranges(client, "r", blob, partial, len(data), CHUNK, digests, 4, say=said.append,
+                 verified=lambda c: checked.append(c.upto))
+    assert partial.read_bytes() == data
+    assert checked == [CHUNK, 2 * CHUNK, 3 * CHUNK, len(data)]
+    assert [a for a in server.asked if a] == [stream, f"bytes={2 * CHUNK}-{len(data) - 1}"]
+    assert len(said) == 1 and f"bytes {2 * CHUNK}-{len(data) - 1} " in said[0], said
     partial.unlink()
     client, server = _served(data, partial)
     fetch_ranges(client, "r", blob, partial, len(data), CHUNK, digests, 4)
     assert sorted(a for a in server.asked if a) == sorted(
         f"bytes={i * CHUNK}-{min(len(data), (i + 1) * CHUNK) - 1}" for i in range(4))
+
+
+def test_a_followed_fetch_whose_chunk_cannot_be_fetched_again_fails_in_one_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunk 1 comes broken in the stream and every fetch of it alone breaks off: the fetch
+    fails with the registry's error (the chunks before it kept for a resume), never with an
+    error of its own making, and tells no chunk past the last good one."""
+    data = os.urandom(3 * CHUNK + 12345)
+    blob, digests = _sha256(data), _digests(data, CHUNK)
+    partial = tmp_path / "blob.part"
+    client, server = _served(data, partial)
+    send, stream = server.send, f"bytes=0-{len(data) - 1}"
+
+    def broken(request: requests.PreparedRequest, **kwargs: object) -> requests.Response:
+        response = send(request, **kwargs)
+        body = response.raw.read()
+        if request.headers.get("Range") == stream:
+            response.raw = io.BytesIO(body[:CHUNK + 5] + bytes([body[CHUNK + 5] ^ 1])
+                                      + body[CHUNK + 6:])
+        else:
+            response.raw = io.BytesIO(body[:100])  # broken off, every time
+        return response
+
+    monkeypatch.setattr(server, "send", broken)
+    monkeypatch.setattr("imgpipe.registry.ranges.time.sleep", lambda _: None)
+    checked: list[int] = []
+    with pytest.raises(RegistryError, match="broke off"):
+        fetch_ranges(client, "r", blob, partial, len(data), CHUNK, digests, 4,
+                     verified=lambda c: checked.append(c.upto))
+    assert checked == [CHUNK]
