@@ -63,6 +63,7 @@ from imgpipe.registry.chunks import (  # the chunk names callers know from here 
 )
 from imgpipe.registry.client import RegistryClient
 from imgpipe.registry.errors import DigestMismatchError, RegistryError
+from imgpipe.registry.headstart import BrokenAnswer, take
 from imgpipe.registry.transfer import fetch_resumable
 
 __all__ = ["Checked", "ChunkHasher", "DEFAULT_CHUNK_SIZE", "MAX_CHUNKS", "MIN_CHUNK_SIZE",
@@ -238,7 +239,9 @@ def _stream_chunks(job: _Download, missing: list[int]) -> int:
             if broken == BROKEN_TRIES:
                 job.failed.set()
                 raise
-            why = type(exc.__cause__).__name__ if exc.__cause__ else "a short answer"
+            cause = exc.__cause__
+            cause = cause.__cause__ if isinstance(cause, BrokenAnswer) else cause
+            why = type(cause).__name__ if cause else "a short answer"
             job.say(f"bytes {job.bounds(missing[at + done])[0]}-"
                     f"{job.bounds(missing[at + run - 1])[1]} of {job.digest[:19]} broke off "
                     f"({why}): fetching them again")
@@ -254,11 +257,16 @@ def _stream_run(job: _Download, chunks: list[int]) -> tuple[int, int]:
     """One GET of the consecutive ``chunks``, each written, checked and finished as it
     lands: how many were done, and the bytes received (a BrokenRangeError says both)."""
     first, last = job.bounds(chunks[0])[0], job.bounds(chunks[-1])[1]
-    response = _open_range(job, first, last)
+    begun = take(job.client.base_url, job.url_path, first, last)  # asked for ahead
+    if begun is not None:
+        blocks, close = begun.blocks(), begun.close
+    else:
+        response = _open_range(job, first, last)
+        blocks, close = response.iter_content(1 << 20), response.close
     done, received, offset = 0, 0, first
     hasher = hashlib.sha256()
     try:
-        for block in response.iter_content(1 << 20):
+        for block in blocks:
             while block:
                 if done == len(chunks):
                     raise RegistryError(f"{job.client.address} sent more than the range "
@@ -274,10 +282,10 @@ def _stream_run(job: _Download, chunks: list[int]) -> tuple[int, int]:
                 if offset == end:
                     _check_streamed(job, chunks[done], hasher.hexdigest())
                     done, hasher = done + 1, hashlib.sha256()
-    except requests.RequestException as exc:
+    except (requests.RequestException, BrokenAnswer) as exc:
         raise _broken(job, first, last, done, received) from exc
     finally:
-        response.close()
+        close()
     if done < len(chunks):
         raise _broken(job, first, last, done, received)
     return done, received

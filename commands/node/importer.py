@@ -209,6 +209,7 @@ def quick_settings(path: str | None) -> dict[str, Any] | None:
         "credentials": credentials,
         "scheme": registry.get("scheme", DEFAULT_SCHEME),
         "plain": credentials == "none" and not registry.get("ca_file"),
+        "blob_cache": registry.get("blob_cache"),  # a tier blobs come through (or None)
         "squashfs_dir": (folder if folder.is_absolute() else root / folder).resolve(),
         # as written (an admin account walks it and never resolves it: enroot.cache.rootpath)
         "squashfs_dir_as_written": Path(os.path.abspath(root / folder)),
