@@ -20,3 +20,18 @@ def raise_on_sigterm() -> None:
         raise Terminated()
 
     signal.signal(signal.SIGTERM, handler)
+
+
+class sigterm_ends_at_once:  # noqa: N801 (used as a function: ``with sigterm_ends_at_once():``)
+    """SIGTERM's default action (the process ends there and then) inside the block: for C
+    calls that block without coming back to Python, such as MPI's start or a collective
+    waiting on a peer that died.  The handler above runs only once such a call returns,
+    which it never does then: a broadcast step that lost a task waited for Slurm's
+    KillWait (30 s) and SIGKILL before its second try could start (issue #61).  A class,
+    not contextlib's decorator: this module imports ``signal`` alone."""
+
+    def __enter__(self) -> None:
+        self._previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGTERM, self._previous)

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from imgpipe.base.errors import ImgpipeError
+from imgpipe.base.signals import sigterm_ends_at_once
 from imgpipe.commands.node.audit import record
 from imgpipe.commands.node.importer import BROADCAST_AHEAD_ENV, fast_get, get, say
 from imgpipe.commands.node.nodesite import node_site
@@ -92,7 +93,8 @@ def broadcast(uri: str) -> Path:
     # The step's first task runs on the batch host and sends (MPI's rank 0 under srun):
     # its fetch starts at once, while the other nodes' tasks still start.
     fetch = _batch_fetch(uri, found) if first_task else None
-    mpi = load_mpi()
+    with sigterm_ends_at_once():  # MPI's start blocks in C: a step that ends kills it there
+        mpi = load_mpi()
     world = mpi.COMM_WORLD
     here = socket.gethostname()
     pins = Pins.from_env().for_image(manifest)
@@ -107,7 +109,8 @@ def broadcast(uri: str) -> Path:
         cache = site.cache
         why = None if found is not None or root else _hold(held, cache, manifest, pins)
         taking = root or (found is None and why is None)
-        team = world.Split(0 if taking else mpi.UNDEFINED, world.Get_rank())
+        with sigterm_ends_at_once():  # a collective: blocks in C until every task is in it
+            team = world.Split(0 if taking else mpi.UNDEFINED, world.Get_rank())
         from imgpipe.commands.node import chainstep  # once MPI has started (its docstring)
 
         if team == mpi.COMM_NULL:
