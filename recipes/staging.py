@@ -68,8 +68,9 @@ stage_image() {
           # MPI starts the step and says where each node listens (the bytes go down a chain
           # of TCP connections); waiting ranks yield their core instead of spinning on it;
           # no memory patcher (with it, 2 of 6 sandbox runs lost a task to SIGSEGV; it serves
-          # RDMA registration caches).  A second try where the first failed: the batch
-          # host's MPI start itself crashed in about 1 of 20 sandbox runs (inside MPI_Init)
+          # RDMA registration caches).  A second try where the first failed: a task's MPI
+          # start crashes now and then (Open MPI 4.1.4's TCP transport calls a callback not
+          # yet set inside MPI_Init: 2-12 % of 16-task steps in the sandbox)
           local try
           for try in 1 2; do
             if got=$(IMGPIPE_BROADCAST_AHEAD="$ahead" OMPI_MCA_mpi_yield_when_idle=1 \
