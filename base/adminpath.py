@@ -175,9 +175,11 @@ def _final(parent: int, name: str, where: str, admins: Admins, create_mode: int 
         old = os.umask(0)
         try:
             os.mkdir(name, create_mode, dir_fd=parent)
+            made = True
+        except FileExistsError:  # another process made it first: checked as one found
+            pass
         finally:
             os.umask(old)
-        made = True
     fd = _open_below(parent, name, where, refuse)
     try:
         info = os.fstat(fd)
