@@ -413,7 +413,7 @@ def test_a_followed_fetch_whose_chunk_cannot_be_fetched_again_fails_in_one_error
         return response
 
     monkeypatch.setattr(server, "send", broken)
-    monkeypatch.setattr("imgpipe.registry.ranges.time.sleep", lambda _: None)
+    monkeypatch.setattr("imgpipe.registry.rangeget.time.sleep", lambda _: None)
     checked: list[int] = []
     with pytest.raises(RegistryError, match="broke off"):
         fetch_ranges(client, "r", blob, partial, len(data), CHUNK, digests, 4,
