@@ -26,7 +26,7 @@ from imgpipe.enroot.published.artifact import (
     _from_manifest,
 )
 from imgpipe.enroot.published.policy import PublishedPolicy, _choose
-from imgpipe.registry import chunks
+from imgpipe.registry import chunks, rangeget
 from imgpipe.registry.chunkrecord import (
     WRITE_EVERY_S,
     DoneRecord,
@@ -413,7 +413,7 @@ def test_a_followed_fetch_whose_chunk_cannot_be_fetched_again_fails_in_one_error
         return response
 
     monkeypatch.setattr(server, "send", broken)
-    monkeypatch.setattr("imgpipe.registry.rangeget.time.sleep", lambda _: None)
+    monkeypatch.setattr(rangeget.time, "sleep", lambda _: None)  # its waits between tries
     checked: list[int] = []
     with pytest.raises(RegistryError, match="broke off"):
         fetch_ranges(client, "r", blob, partial, len(data), CHUNK, digests, 4,
